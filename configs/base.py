@@ -1,0 +1,150 @@
+"""The base config: every field tfx knows, each with its meaning and allowed values.
+
+Every other config starts from `get_config()` here and changes fields; a field that does not
+exist here cannot be set anywhere (unknown keys on the command line are errors, and so are
+values of the wrong type).
+
+    python -m tfx.train --config configs/base.py --workdir runs/base --config.train.steps=100
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+
+  # ---------------------------------------------------------------- model
+  c.model = ml_collections.ConfigDict()
+  # Registered model family: 'decoder' (GPT). More families register themselves by name.
+  c.model.family = "decoder"
+  # Number of transformer blocks.
+  c.model.num_layers = 4
+  # Width of the residual stream.
+  c.model.d_model = 256
+  # Attention heads; must divide d_model. head_dim = d_model // num_heads.
+  c.model.num_heads = 4
+  # Hidden width of the MLP (for gated MLPs, of each of the two input projections).
+  c.model.d_ff = 1024
+  # Position information: 'learned' (absolute table of data.seq_len rows), 'sinusoidal'
+  # (fixed absolute), or 'rotary' (RoPE on queries and keys).
+  c.model.position = "learned"
+  # Base of the rotary frequencies (used when position == 'rotary').
+  c.model.rope_base = 10000.0
+  # Layer norm placement: 'pre' (GPT-2, T5) or 'post' (original Transformer, BERT).
+  c.model.norm = "pre"
+  # Normalisation layer: 'layernorm' or 'rmsnorm'.
+  c.model.norm_type = "layernorm"
+  # MLP: 'gelu' (dense-gelu-dense), 'relu', 'geglu' or 'swiglu' (gated).
+  c.model.mlp = "gelu"
+  # Biases on the dense layers.
+  c.model.use_bias = True
+  # Share the input embedding with the output projection.
+  c.model.tie_embeddings = True
+  # Dropout rate on embeddings, residual branches and the MLP hidden layer (0 = off).
+  c.model.dropout = 0.0
+  # Dropout rate on attention probabilities (0 = off). Non-zero forces the einsum attention
+  # path, since the fused kernels have no dropout.
+  c.model.attention_dropout = 0.0
+  # Computation dtype: 'float32' or 'bfloat16' (parameters stay float32).
+  c.model.dtype = "float32"
+  # Run the layers as one nn.scan (faster compile, one set of stacked parameters).
+  c.model.scan_layers = True
+  # Rematerialisation policy name: 'none', 'full', 'dots', 'dots_no_batch' (see tfx/nn/blocks.py).
+  c.model.remat = "none"
+  # Attention implementation: 'auto' (cuDNN flash on GPU when possible, XLA otherwise),
+  # 'xla', 'cudnn' or 'reference' (the einsum reference, for debugging).
+  c.model.attention = "auto"
+  # Standard deviation of the normal initialiser of dense and embedding weights.
+  c.model.init_std = 0.02
+
+  # ---------------------------------------------------------------- objective
+  c.objective = ml_collections.ConfigDict()
+  # Registered objective: 'causal_lm'. The objective decides inputs, targets and weights.
+  c.objective.name = "causal_lm"
+  # Weight of the z-loss (log^2 of the softmax normaliser), 0 = off (T5X uses 1e-4).
+  c.objective.z_loss = 0.0
+
+  # ---------------------------------------------------------------- data
+  c.data = ml_collections.ConfigDict()
+  # 'stdlib' (the Python standard library's own source, offline everywhere),
+  # 'text:GLOB' (local .txt/.py/... files, or .jsonl with a `text_field`), or
+  # 'hf:NAME[:CONFIG]' (a hub dataset through `datasets`; needs the network).
+  c.data.source = "stdlib"
+  # Tokens per training row (the model's sequence length).
+  c.data.seq_len = 128
+  # Tokenizer vocabulary size when tfx trains the tokenizer.
+  c.data.vocab_size = 8000
+  # Path of a sentencepiece model; '' = train one on the corpus and save it to the workdir.
+  c.data.tokenizer = ""
+  # JSON field or dataset column that holds the text.
+  c.data.text_field = "text"
+  # Keep only the first N documents (0 = all); for quick experiments and tests.
+  c.data.max_documents = 0
+  # Fraction of documents held out for evaluation (chosen independently of the seed).
+  c.data.eval_fraction = 0.02
+  # Number of global batches in one evaluation.
+  c.data.eval_batches = 4
+
+  # ---------------------------------------------------------------- train
+  c.train = ml_collections.ConfigDict()
+  # Number of optimizer steps.
+  c.train.steps = 1000
+  # Global batch size (rows per optimizer step, over all hosts and devices).
+  c.train.batch_size = 16
+  # Split each batch into this many micro-batches and accumulate gradients.
+  c.train.grad_accum = 1
+  # Seed of parameters, data order and every per-step key.
+  c.train.seed = 0
+  # Log training metrics every N steps.
+  c.train.log_every = 10
+  # Evaluate on the held-out split every N steps (and at the end); 0 = only at the end.
+  c.train.eval_every = 200
+  # Save a checkpoint every N steps (and at the end); 0 = only at the end.
+  c.train.checkpoint_every = 500
+  # How many checkpoints to keep.
+  c.train.keep_checkpoints = 3
+  # Save checkpoints asynchronously (training continues while the write happens).
+  c.train.async_checkpoint = True
+  # Stop after this many steps of this invocation (0 = run to train.steps); the run resumes
+  # from its last checkpoint next time. Used to test preemption and resume.
+  c.train.stop_after = 0
+
+  # ---------------------------------------------------------------- optim
+  c.optim = ml_collections.ConfigDict()
+  # Peak learning rate of AdamW.
+  c.optim.learning_rate = 3e-4
+  # Linear warmup steps from 0 to the peak.
+  c.optim.warmup_steps = 100
+  # Cosine decay to this fraction of the peak at train.steps.
+  c.optim.final_lr_fraction = 0.1
+  # Decoupled weight decay, applied to matrices (ndim >= 2), not to biases and norm scales.
+  c.optim.weight_decay = 0.01
+  # Clip the global gradient norm to this value (0 = off).
+  c.optim.grad_clip = 1.0
+  # Adam moments.
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.95
+  c.optim.eps = 1e-8
+
+  # ---------------------------------------------------------------- mesh
+  c.mesh = ml_collections.ConfigDict()
+  # Device mesh axes (data, fsdp, tensor); their product must equal the number of devices.
+  # -1 means "the remaining devices" (at most one axis may be -1).
+  # data: pure data parallel; fsdp: data parallel with parameters and optimizer state sharded
+  # (ZeRO-3); tensor: heads / MLP / vocab split across devices (Megatron-style).
+  c.mesh.data = -1
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+
+  # ---------------------------------------------------------------- generation defaults
+  c.generate = ml_collections.ConfigDict()
+  # Tokens to generate after the prompt.
+  c.generate.max_new_tokens = 64
+  # 0 = greedy; otherwise sample from softmax(logits / temperature).
+  c.generate.temperature = 0.0
+  # Keep only the k most likely tokens (0 = off).
+  c.generate.top_k = 0
+  # Keep the smallest set of tokens whose probability reaches p (1.0 = off).
+  c.generate.top_p = 1.0
+
+  return c

@@ -1,0 +1,147 @@
+"""Decoder invariants: information flow, packing isolation, variants, causal-LM targets."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.conftest import tiny_config
+from tfx.models import build_model
+from tfx.objectives import SpecialIds
+from tfx.objectives.causal_lm import CausalLM, causal_lm_inputs, shift_right_by_segment
+
+IDS = SpecialIds(vocab_size=97, pad=0, eos=1, unk=2, bos=3)
+
+
+def make_model(*overrides, length=16):
+  cfg = tiny_config("--config.model.num_layers=2", "--config.model.d_model=32", "--config.model.d_ff=64",
+                    *overrides)
+  model = build_model(cfg.model, vocab_size=IDS.vocab_size, max_length=length)
+  params = nn.unbox(model.init(jax.random.key(0), **type(model).init_inputs(1, length))["params"])
+  return model, params
+
+
+def packed_row(rng, lengths, total):
+  """A row with documents of `lengths` packed, then padding: (tokens, segment_ids, positions)."""
+  tokens = np.zeros(total, np.int32)
+  seg = np.zeros(total, np.int32)
+  pos = np.zeros(total, np.int32)
+  start = 0
+  for i, n in enumerate(lengths):
+    tokens[start:start + n] = rng.integers(4, IDS.vocab_size, n)
+    seg[start:start + n] = i + 1
+    pos[start:start + n] = np.arange(n)
+    start += n
+  return tokens, seg, pos
+
+
+VARIANTS = [
+    ("--config.model.position=learned", "--config.model.norm=pre"),
+    ("--config.model.position=rotary", "--config.model.norm=post", "--config.model.mlp=swiglu"),
+    ("--config.model.position=sinusoidal", "--config.model.scan_layers=false", "--config.model.norm_type=rmsnorm",
+     "--config.model.tie_embeddings=false", "--config.model.remat=full"),
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_logits_depend_only_on_the_past_of_the_same_document(variant):
+  """d logits[i] / d embedding[j] is exactly zero for j > i and for j in another document."""
+  model, params = make_model(*variant)
+  rng = np.random.default_rng(0)
+  tokens, seg, pos = (a[None] for a in packed_row(rng, [5, 7, 2], 16))  # 2 pad tokens at the end
+  perturb = jax.tree.map(jnp.zeros_like, model.init(jax.random.key(0), tokens, seg, pos)["perturbations"])
+
+  @jax.jit
+  def jacobian(eps):
+    f = lambda e: model.apply({"params": params, "perturbations": e}, tokens, seg, pos)[0].sum(-1)  # [t]
+    return jax.jacrev(f)(eps)["embeddings"][:, 0]  # [t (logits), t (inputs), e]
+
+  jac = np.abs(np.asarray(jacobian(perturb))).sum(-1)  # [t, t]
+  for i in range(14):
+    influence = jac[i]
+    for j in range(16):
+      allowed = j <= i and seg[0, j] == seg[0, i]
+      if not allowed:
+        assert influence[j] == 0.0, (variant, i, j)
+      elif j == i:
+        assert influence[j] > 0.0
+
+
+@pytest.mark.parametrize("variant", VARIANTS[:2])
+def test_packed_equals_unpacked(variant):
+  """Per-document loss of a packed row equals the loss of each document run alone."""
+  model, params = make_model(*variant, length=24)
+  objective = CausalLM(IDS)
+  rng = np.random.default_rng(1)
+  lengths = [6, 9, 5]
+  tokens, seg, pos = packed_row(rng, lengths, 24)
+
+  def per_doc_losses(tokens, seg, pos):
+    batch = {k: jnp.asarray(v)[None] for k, v in (("tokens", tokens), ("segment_ids", seg), ("positions", pos))}
+    x = causal_lm_inputs(batch, objective.bos_id)
+    logits = model.apply({"params": params}, x["inputs"], batch["segment_ids"], batch["positions"])
+    logp = jax.nn.log_softmax(logits)[0]
+    ce = -jnp.take_along_axis(logp, x["targets"][0][:, None], -1)[:, 0]
+    return [float(jnp.mean(ce[seg == d])) for d in range(1, int(seg.max()) + 1)]
+
+  packed = per_doc_losses(tokens, seg, pos)
+  start = 0
+  for d, n in enumerate(lengths):
+    alone_tokens = np.zeros(24, np.int32)
+    alone_tokens[:n] = tokens[start:start + n]
+    alone_seg = (np.arange(24) < n).astype(np.int32)
+    alone_pos = np.where(alone_seg > 0, np.arange(24), 0).astype(np.int32)
+    (alone,) = per_doc_losses(alone_tokens, alone_seg, alone_pos)
+    assert packed[d] == pytest.approx(alone, abs=1e-5)
+    start += n
+
+
+def test_causal_lm_targets_convention():
+  tokens = jnp.array([[10, 11, 12, 1, 20, 21, 1, 0]])
+  seg = jnp.array([[1, 1, 1, 1, 2, 2, 2, 0]])
+  x = causal_lm_inputs({"tokens": tokens, "segment_ids": seg}, bos_id=3)
+  np.testing.assert_array_equal(x["inputs"], [[3, 10, 11, 12, 3, 20, 21, 3]])
+  np.testing.assert_array_equal(x["targets"], tokens)
+  np.testing.assert_array_equal(x["weights"], [[1, 1, 1, 1, 1, 1, 1, 0]])
+  # The first token of a segment sees only BOS: no token of the previous document leaks in.
+  assert int(shift_right_by_segment(tokens, seg, 3)[0, 4]) == 3
+
+
+def test_target_never_in_its_own_input():
+  """Through the objective: the loss at position i gets no gradient from the input embedding
+  rows of tokens that enter the model only at or after i (untied, so the output layer does not
+  touch the embedding table)."""
+  model, params = make_model("--config.model.tie_embeddings=false")
+  rng = np.random.default_rng(2)
+  tokens, seg, pos = (jnp.asarray(a)[None] for a in packed_row(rng, [8, 8], 16))
+  x = causal_lm_inputs({"tokens": tokens, "segment_ids": seg}, 3)
+
+  @jax.jit
+  def grads(table):
+    def losses(table):
+      p = dict(params, token_embed={"embedding": table})
+      logp = jax.nn.log_softmax(model.apply({"params": p}, x["inputs"], seg, pos))[0]  # [t, v]
+      return -jnp.take_along_axis(logp, tokens[0][:, None], -1)[:, 0]  # [t]
+    return jax.jacrev(losses)(table)  # [t, v, e]
+
+  g = np.abs(np.asarray(grads(params["token_embed"]["embedding"]))).sum(-1)  # [t, v]
+  inputs = np.asarray(x["inputs"][0])
+  for i in range(16):
+    seen = set(inputs[seg[0] == seg[0, i]][: int(pos[0, i]) + 1].tolist())
+    for tok in range(IDS.vocab_size):
+      assert (g[i, tok] > 0) == (tok in seen), (i, tok)
+
+
+def test_scan_and_unrolled_agree():
+  """The scanned stack computes the same function as the unrolled one (same weights)."""
+  model_s, params_s = make_model("--config.model.scan_layers=true")
+  model_u, _ = make_model("--config.model.scan_layers=false")
+  layers = params_s["decoder"]["layers"]
+  params_u = {k: v for k, v in params_s.items() if k != "decoder"}
+  params_u["decoder"] = {f"layer_{i}": jax.tree.map(lambda a: a[i], layers) for i in range(2)}
+  rng = np.random.default_rng(3)
+  tokens, seg, pos = (jnp.asarray(a)[None] for a in packed_row(rng, [10, 6], 16))
+  a = model_s.apply({"params": params_s}, tokens, seg, pos)
+  b = model_u.apply({"params": params_u}, tokens, seg, pos)
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)

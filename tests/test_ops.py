@@ -1,0 +1,124 @@
+"""Attention, masks, positions and losses against independent float64 references."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tfx import ops
+
+jax.config.update("jax_enable_x64", False)
+
+
+def numpy_attention(q, k, v, mask):
+  """float64 numpy reference: softmax over allowed keys only; rows with none give 0."""
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  b, t, h, d = q.shape
+  out = np.zeros_like(q)
+  for bi in range(b):
+    for hi in range(h):
+      s = q[bi, :, hi] @ k[bi, :, hi].T / np.sqrt(d)  # [t, s]
+      m = np.broadcast_to(mask[bi, 0], s.shape)
+      for ti in range(t):
+        allowed = m[ti]
+        if not allowed.any():
+          continue
+        w = np.exp(s[ti, allowed] - s[ti, allowed].max())
+        out[bi, ti, hi] = (w / w.sum()) @ v[bi, allowed, hi]
+  return out
+
+
+def random_packed(rng, b, t, max_docs=3, pad=3):
+  seg = np.zeros((b, t), np.int32)
+  pos = np.zeros((b, t), np.int32)
+  for i in range(b):
+    n = t - rng.integers(0, pad + 1)
+    cuts = np.sort(rng.choice(np.arange(1, n), size=rng.integers(0, max_docs), replace=False))
+    bounds = [0, *cuts.tolist(), n]
+    for s_i, (a, z) in enumerate(zip(bounds[:-1], bounds[1:])):
+      seg[i, a:z] = s_i + 1
+      pos[i, a:z] = np.arange(z - a)
+  return seg, pos
+
+
+@pytest.mark.parametrize("impl", ["xla", "reference"])
+def test_attention_matches_float64_reference(impl):
+  rng = np.random.default_rng(0)
+  b, t, h, d = 2, 12, 3, 8
+  q, k, v = (rng.normal(size=(b, t, h, d)).astype(np.float32) for _ in range(3))
+  seg, _ = random_packed(rng, b, t)
+  mask = np.asarray(ops.decoder_mask(jnp.asarray(seg)))
+  out = ops.dot_product_attention(q, k, v, mask=mask, implementation=impl)
+  np.testing.assert_allclose(np.asarray(out), numpy_attention(q, k, v, mask), atol=2e-5)
+
+
+def test_fully_masked_rows_are_zero_not_mean_of_values():
+  rng = np.random.default_rng(1)
+  q, k, v = (rng.normal(size=(1, 4, 2, 8)).astype(np.float32) for _ in range(3))
+  seg = np.array([[1, 1, 0, 0]], np.int32)  # two padding queries: no allowed key
+  mask = ops.decoder_mask(jnp.asarray(seg))
+  out = np.asarray(ops.dot_product_attention(q, k, v, mask=mask, implementation="xla"))
+  assert np.all(out[0, 2:] == 0.0)
+  assert np.all(np.abs(out[0, :2]) > 0)
+  with pytest.raises(ValueError, match="no allowed key"):
+    ops.assert_rows_attend(mask)
+  ops.assert_rows_attend(mask, query_valid=jnp.asarray(seg > 0))  # padding rows are exempt
+
+
+def test_masks_semantics():
+  seg = jnp.array([[1, 1, 2, 2, 2, 0]])
+  m = np.asarray(ops.decoder_mask(seg))[0, 0]
+  for i in range(6):
+    for j in range(6):
+      expect = j <= i and seg[0, i] == seg[0, j] and seg[0, i] > 0
+      assert m[i, j] == expect, (i, j)
+  pos = jnp.array([[0, 1, 0, 1, 2, 0]])
+  p = np.asarray(ops.prefix_lm_mask(seg, pos, jnp.array([[2, 2, 2, 2, 2, 0]])))[0, 0]
+  assert p[0, 1] and p[1, 0]  # document 1 is all prefix: bidirectional
+  assert p[2, 3] and not p[2, 4] and p[4, 3]  # document 2: prefix of 2, then causal
+  assert not p[0, 2] and not p[5].any()
+
+
+def test_grouped_query_heads_reference():
+  rng = np.random.default_rng(2)
+  q = rng.normal(size=(1, 5, 4, 8)).astype(np.float32)
+  k, v = (rng.normal(size=(1, 5, 2, 8)).astype(np.float32) for _ in range(2))
+  mask = ops.causal_mask(5)
+  got = ops.reference_attention(q, k, v, mask=mask)
+  full = ops.reference_attention(q, np.repeat(k, 2, axis=2), np.repeat(v, 2, axis=2), mask=mask)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(full), atol=1e-6)
+
+
+def test_rotary_is_relative():
+  """q(i).k(j) after RoPE depends only on i - j."""
+  rng = np.random.default_rng(3)
+  q, k = (rng.normal(size=(1, 1, 1, 16)).astype(np.float32) for _ in range(2))
+  def score(i, j):
+    qi = ops.rotary(q, jnp.array([[i]]))
+    kj = ops.rotary(k, jnp.array([[j]]))
+    return float(jnp.sum(qi * kj))
+  assert score(5, 2) == pytest.approx(score(13, 10), rel=1e-4)
+  assert score(5, 2) != pytest.approx(score(5, 3), rel=1e-3)
+
+
+def test_sinusoidal_table():
+  table = np.asarray(ops.sinusoidal(jnp.arange(4), 8))
+  pos, i = 3, 1
+  assert table[pos, i] == pytest.approx(np.sin(pos / 10000 ** (2 * i / 8)), rel=1e-5)
+  assert table[pos, 4 + i] == pytest.approx(np.cos(pos / 10000 ** (2 * i / 8)), rel=1e-5)
+
+
+def test_weighted_cross_entropy_matches_numpy():
+  rng = np.random.default_rng(4)
+  logits = rng.normal(size=(2, 5, 7)).astype(np.float32)
+  targets = rng.integers(0, 7, size=(2, 5))
+  weights = (rng.random((2, 5)) > 0.3).astype(np.float32)
+  loss, m = ops.weighted_cross_entropy(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights))
+  l64 = logits.astype(np.float64)
+  logp = l64 - np.log(np.exp(l64).sum(-1, keepdims=True))
+  ce = -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
+  assert float(loss) == pytest.approx((ce * weights).sum() / weights.sum(), rel=1e-5)
+  assert float(m["num_tokens"]) == weights.sum()
+  # Nothing predicted: loss is 0, not NaN.
+  loss0, _ = ops.weighted_cross_entropy(jnp.asarray(logits), jnp.asarray(targets), jnp.zeros((2, 5)))
+  assert float(loss0) == 0.0

@@ -1,0 +1,275 @@
+"""Configs: load a Python config file, apply strict command-line overrides, validate.
+
+    config = load_config("configs/quickstart.py", ["--config.train.steps=100"])
+    validate(config, num_devices=jax.device_count())
+
+Overrides are `--config.a.b=value`. The key must exist in the config (so in configs/base.py)
+and the value is parsed to the type of the current value: ints stay ints, floats accept
+ints, bools accept only true/false/1/0, strings are taken as they are. Anything else is a
+`ConfigError` that says what is wrong.
+"""
+
+import importlib.util
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+import ml_collections
+
+from tfx.errors import UserError
+from tfx.registry import FAMILIES, OBJECTIVES, load_builtins
+
+
+class ConfigError(UserError):
+  """A config that cannot run; the message says how to fix it."""
+
+
+def load_config_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
+  """Imports a config file and calls its `get_config()` (with `arg` if given: `file.py:arg`)."""
+  if not os.path.isfile(path):
+    raise ConfigError(f"config file {path!r} does not exist")
+  # Config files import their parents as `from configs import base`: make the folder that
+  # holds `configs/` importable, wherever the command runs from.
+  parent = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+  if parent not in sys.path:
+    sys.path.insert(0, parent)
+  spec = importlib.util.spec_from_file_location(f"tfx_config_{abs(hash(path))}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "get_config"):
+    raise ConfigError(f"config file {path!r} has no get_config() function")
+  config = module.get_config(arg) if arg is not None else module.get_config()
+  return config
+
+
+def _parse_value(key: str, text: str, current: Any) -> Any:
+  if isinstance(current, bool):
+    low = text.strip().lower()
+    if low in ("true", "1", "yes"):
+      return True
+    if low in ("false", "0", "no"):
+      return False
+    raise ConfigError(f"--config.{key}={text}: expected a bool (true/false)")
+  if isinstance(current, int):
+    try:
+      return int(text)
+    except ValueError:
+      raise ConfigError(f"--config.{key}={text}: expected an int (current value {current!r})") from None
+  if isinstance(current, float):
+    try:
+      return float(text)
+    except ValueError:
+      raise ConfigError(f"--config.{key}={text}: expected a float (current value {current!r})") from None
+  if isinstance(current, str):
+    return text
+  if isinstance(current, (tuple, list)):
+    try:
+      value = json.loads(text)
+    except json.JSONDecodeError:
+      raise ConfigError(f"--config.{key}={text}: expected a JSON list") from None
+    if not isinstance(value, list):
+      raise ConfigError(f"--config.{key}={text}: expected a JSON list")
+    return type(current)(value)
+  raise ConfigError(f"--config.{key}: cannot set a field of type {type(current).__name__} from the command line")
+
+
+def apply_override(config: ml_collections.ConfigDict, key: str, text: str) -> None:
+  """Sets config.<key> (dotted) from its command-line text, strictly."""
+  parts = key.split(".")
+  node = config
+  for i, part in enumerate(parts[:-1]):
+    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      raise ConfigError(f"unknown config key {key!r}: {'.'.join(parts[: i + 1])!r} does not exist")
+    node = node[part]
+  leaf = parts[-1]
+  if not isinstance(node, ml_collections.ConfigDict) or leaf not in node:
+    section = ".".join(parts[:-1])
+    known = ", ".join(sorted(node.keys())) if isinstance(node, ml_collections.ConfigDict) else ""
+    raise ConfigError(f"unknown config key {key!r}; keys of {section or 'config'}: {known}")
+  current = node[leaf]
+  if isinstance(current, ml_collections.ConfigDict):
+    raise ConfigError(f"config key {key!r} is a section, not a value")
+  node[leaf] = _parse_value(key, text, current)
+
+
+def parse_overrides(argv: Sequence[str]) -> list[tuple[str, str]]:
+  """['--config.a.b=1', '--config.c', '2'] -> [('a.b', '1'), ('c', '2')]."""
+  out = []
+  i = 0
+  argv = list(argv)
+  while i < len(argv):
+    arg = argv[i]
+    if not arg.startswith("--config."):
+      raise ConfigError(f"unexpected argument {arg!r}; config overrides look like --config.train.steps=100")
+    body = arg[len("--config."):]
+    if "=" in body:
+      key, value = body.split("=", 1)
+    else:
+      if i + 1 >= len(argv):
+        raise ConfigError(f"{arg} needs a value")
+      key, value = body, argv[i + 1]
+      i += 1
+    out.append((key, value))
+    i += 1
+  return out
+
+
+def load_config(path: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
+  """Loads `path` (optionally `path:arg`), applies `--config.k=v` overrides, locks the result."""
+  arg = None
+  if ":" in os.path.basename(path):
+    path, arg = path.rsplit(":", 1)
+  config = load_config_file(path, arg)
+  for key, value in parse_overrides(overrides):
+    apply_override(config, key, value)
+  config.lock()
+  return config
+
+
+def to_json(config: ml_collections.ConfigDict) -> str:
+  return json.dumps(config.to_dict(), indent=2, sort_keys=True)
+
+
+def from_json(text: str) -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(json.loads(text))
+
+
+# ----------------------------------------------------------------------------- validation
+
+_CHOICES = {
+    "model.norm": ("pre", "post"),
+    "model.norm_type": ("layernorm", "rmsnorm"),
+    "model.mlp": ("gelu", "relu", "geglu", "swiglu"),
+    "model.dtype": ("float32", "bfloat16"),
+    "model.attention": ("auto", "xla", "cudnn", "reference"),
+}
+
+
+def _get(config, dotted: str):
+  node = config
+  for part in dotted.split("."):
+    node = node[part]
+  return node
+
+
+def resolve_mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
+  """(data, fsdp, tensor) with -1 resolved; raises ConfigError if it does not fit."""
+  sizes = [mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor]
+  names = ("mesh.data", "mesh.fsdp", "mesh.tensor")
+  if sum(s == -1 for s in sizes) > 1:
+    raise ConfigError("at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1 (= the remaining devices)")
+  for name, s in zip(names, sizes):
+    if s == 0 or s < -1:
+      raise ConfigError(f"{name}={s}: mesh axis sizes are positive, or -1 for the remaining devices")
+  fixed = 1
+  for s in sizes:
+    if s != -1:
+      fixed *= s
+  if -1 in sizes:
+    if num_devices % fixed:
+      raise ConfigError(
+          f"mesh {tuple(sizes)} does not fit {num_devices} devices: the fixed axes multiply to {fixed}, "
+          f"which does not divide {num_devices}. Choose sizes whose product divides the device count.")
+    sizes[sizes.index(-1)] = num_devices // fixed
+  elif fixed != num_devices:
+    raise ConfigError(
+        f"mesh (data, fsdp, tensor) = {tuple(sizes)} needs {fixed} devices but there are {num_devices}; "
+        f"make the product equal {num_devices} or set one axis to -1.")
+  return tuple(sizes)
+
+
+def validate(config: ml_collections.ConfigDict, *, num_devices: int, process_count: int = 1) -> None:
+  """Rejects impossible combinations before anything is compiled.
+
+  Raises:
+    ConfigError listing every problem found, each with how to fix it.
+  """
+  load_builtins()
+  problems: list[str] = []
+  m, d, t, o = config.model, config.data, config.train, config.optim
+
+  for key, choices in _CHOICES.items():
+    value = _get(config, key)
+    if value not in choices:
+      problems.append(f"{key}={value!r}: choose one of {', '.join(choices)}")
+  from tfx.models import POSITIONS
+  from tfx.nn import REMAT_NAMES
+
+  if m.position not in POSITIONS:
+    problems.append(f"model.position={m.position!r}: choose one of {', '.join(POSITIONS)}")
+  if m.remat not in REMAT_NAMES:
+    problems.append(f"model.remat={m.remat!r}: choose one of {', '.join(REMAT_NAMES)}")
+  for key in ("num_layers", "d_model", "num_heads", "d_ff"):
+    if m[key] <= 0:
+      problems.append(f"model.{key}={m[key]} must be positive")
+  if m.num_heads > 0 and m.d_model % m.num_heads:
+    problems.append(
+        f"model.num_heads={m.num_heads} does not divide model.d_model={m.d_model}; "
+        f"pick heads that divide it (e.g. {', '.join(str(h) for h in _divisors(m.d_model)[:6])})")
+  elif m.num_heads > 0 and m.position == "rotary" and (m.d_model // m.num_heads) % 2:
+    problems.append(f"rotary positions need an even head dim; d_model/num_heads = {m.d_model // m.num_heads}")
+  if m.position == "sinusoidal" and m.d_model % 2:
+    problems.append(f"sinusoidal positions need an even model.d_model (got {m.d_model})")
+  if not 0.0 <= m.dropout < 1.0:
+    problems.append(f"model.dropout={m.dropout} must be in [0, 1)")
+
+  if m.family not in FAMILIES:
+    problems.append(f"model.family={m.family!r} is not registered; known: {', '.join(FAMILIES.names())}")
+  if config.objective.name not in OBJECTIVES:
+    problems.append(f"objective.name={config.objective.name!r} is not registered; known: {', '.join(OBJECTIVES.names())}")
+  elif m.family in FAMILIES:
+    problems.extend(OBJECTIVES.get(config.objective.name).check_config(config))
+
+  if d.seq_len < 2:
+    problems.append(f"data.seq_len={d.seq_len} must be at least 2")
+  if d.vocab_size < 256 and not d.tokenizer:
+    problems.append(f"data.vocab_size={d.vocab_size} is too small for the reserved pieces; use at least 256")
+  if not 0.0 < d.eval_fraction < 1.0:
+    problems.append(f"data.eval_fraction={d.eval_fraction} must be in (0, 1)")
+  if d.eval_batches < 1:
+    problems.append(f"data.eval_batches={d.eval_batches} must be at least 1")
+
+  if t.steps < 1:
+    problems.append(f"train.steps={t.steps} must be at least 1")
+  for key in ("log_every", "eval_every", "checkpoint_every", "stop_after"):
+    if t[key] < 0:
+      problems.append(f"train.{key}={t[key]} must be >= 0")
+  if t.log_every == 0:
+    problems.append("train.log_every must be at least 1")
+  if t.grad_accum < 1:
+    problems.append(f"train.grad_accum={t.grad_accum} must be at least 1")
+  if o.learning_rate <= 0:
+    problems.append(f"optim.learning_rate={o.learning_rate} must be positive")
+  if o.warmup_steps < 0 or o.grad_clip < 0 or o.weight_decay < 0:
+    problems.append("optim.warmup_steps, optim.grad_clip and optim.weight_decay must be >= 0")
+
+  try:
+    data_ax, fsdp_ax, tensor_ax = resolve_mesh_shape(config.mesh, num_devices)
+  except ConfigError as e:
+    problems.append(str(e))
+  else:
+    batch_shards = data_ax * fsdp_ax
+    micro = t.batch_size // max(t.grad_accum, 1)
+    if t.batch_size % max(t.grad_accum, 1):
+      problems.append(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
+    elif micro % batch_shards:
+      problems.append(
+          f"train.batch_size={t.batch_size} (micro-batch {micro} with grad_accum={t.grad_accum}) does not split "
+          f"across the data axes: mesh.data * mesh.fsdp = {data_ax} * {fsdp_ax} = {batch_shards}. "
+          f"Use a batch size that is a multiple of {batch_shards * t.grad_accum}, or change the mesh.")
+    if t.batch_size % process_count:
+      problems.append(f"train.batch_size={t.batch_size} does not split across {process_count} hosts")
+    if m.num_heads > 0 and m.num_heads % tensor_ax:
+      problems.append(
+          f"mesh.tensor={tensor_ax} does not divide model.num_heads={m.num_heads}; "
+          "tensor parallelism splits heads across devices")
+    if m.d_ff % tensor_ax:
+      problems.append(f"mesh.tensor={tensor_ax} does not divide model.d_ff={m.d_ff}")
+
+  if problems:
+    raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def _divisors(n: int) -> list[int]:
+  return [i for i in range(1, n + 1) if n % i == 0]

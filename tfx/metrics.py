@@ -1,0 +1,76 @@
+"""Run outputs: metrics.jsonl (one JSON object per logged step) and the console progress line."""
+
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+
+
+class MetricsWriter:
+  """Appends `{"step", "split", ...}` records to WORKDIR/metrics.jsonl (process 0 only)."""
+
+  def __init__(self, workdir: str):
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self.enabled = jax.process_index() == 0
+
+  def write(self, step: int, split: str, values: dict) -> dict:
+    record = {"step": int(step), "split": split}
+    for k, v in values.items():
+      v = float(v) if v is not None else None
+      record[k] = None if v is not None and not math.isfinite(v) else v
+    if self.enabled:
+      with open(self.path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    return record
+
+  def truncate_after(self, step: int) -> None:
+    """Drops records after `step` (written by a run that died before its next checkpoint)."""
+    if not self.enabled or not os.path.exists(self.path):
+      return
+    with open(self.path) as f:
+      lines = [ln for ln in f if ln.strip()]
+    kept = [ln for ln in lines if json.loads(ln)["step"] <= step]
+    with open(self.path, "w") as f:
+      f.writelines(kept)
+
+
+def read_metrics(workdir: str) -> list[dict]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _duration(seconds: float) -> str:
+  seconds = int(max(seconds, 0))
+  h, rem = divmod(seconds, 3600)
+  m, s = divmod(rem, 60)
+  return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class Progress:
+  """One console line per log step: step, loss, tokens/s, ETA."""
+
+  def __init__(self, total_steps: int, stream=sys.stdout):
+    self.total = total_steps
+    self.stream = stream
+    self.enabled = jax.process_index() == 0
+    self.start = time.time()
+
+  def train(self, step: int, loss: float, tokens_per_sec: float, seconds_per_step: float, mfu=None) -> None:
+    if not self.enabled:
+      return
+    eta = _duration((self.total - step) * seconds_per_step)
+    extra = f" | mfu {mfu:.1%}" if mfu is not None else ""
+    print(f"step {step:>6}/{self.total} | loss {loss:.4f} | {tokens_per_sec:,.0f} tok/s{extra} | ETA {eta}",
+          file=self.stream, flush=True)
+
+  def eval(self, step: int, loss: float, accuracy: float) -> None:
+    if self.enabled:
+      print(f"step {step:>6}/{self.total} | eval loss {loss:.4f} | eval accuracy {accuracy:.3f}",
+            file=self.stream, flush=True)
+
+  def note(self, text: str) -> None:
+    if self.enabled:
+      print(text, file=self.stream, flush=True)

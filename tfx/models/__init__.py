@@ -1,0 +1,13 @@
+"""Model families, registered by name in tfx.registry.FAMILIES."""
+
+from tfx.models.base import POSITIONS, Family
+from tfx.models import decoder  # noqa: F401  (registers 'decoder')
+
+
+def build_model(model_cfg, *, vocab_size: int, max_length: int) -> Family:
+  """The registered family of `model_cfg.family`, configured."""
+  from tfx.nn.layers import ModelConfig
+  from tfx.registry import FAMILIES
+
+  cls = FAMILIES.get(model_cfg.family)
+  return cls(ModelConfig.from_config(model_cfg, vocab_size=vocab_size, max_length=max_length))

@@ -1,0 +1,40 @@
+"""The decoder family (GPT): token + position embeddings, a causal block stack, an LM head."""
+
+import flax.linen as nn
+from tfx import ops
+from tfx.models.base import Family
+from tfx.nn import Embed, Stack, constrain, make_norm
+from tfx.registry import FAMILIES
+
+
+@FAMILIES.register("decoder")
+class Decoder(Family):
+  """Decoder-only language model.
+
+  `__call__(tokens, segment_ids, positions, *, train, decode, mask) -> logits [b, t, v]`.
+  tokens, segment_ids (0 = padding, 1..k = packed documents), positions: [b, t] int.
+  mask: optional [b, 1|h, t, t] bool replacing the default causal-and-same-document mask
+  (prefix-LM objectives pass theirs). With decode=True the block attention reads and
+  extends the KV cache ("cache" collection) and the mask is built from the cache.
+  """
+
+  INPUTS = ("tokens", "segment_ids", "positions")
+
+  @nn.compact
+  def __call__(self, tokens, segment_ids, positions, *, train: bool = False, decode: bool = False, mask=None):
+    cfg = self.cfg
+    embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=cfg.compute_dtype, name="token_embed")
+    x = embed(tokens)  # [b, t, e]
+    x = x + self.absolute_positions(positions)
+    # Zero unless a 'perturbations' collection is passed: lets tests take gradients with
+    # respect to the input embeddings (information-flow checks).
+    x = self.perturb("embeddings", x)
+    x = constrain(x, ("act_batch", "act_length", "act_embed"))
+    x = nn.Dropout(cfg.dropout)(x, deterministic=not train)
+    if mask is None and not decode:
+      mask = ops.decoder_mask(segment_ids)  # [b, 1, t, t]
+    x = Stack(cfg, deterministic=not train, decode=decode, name="decoder")(x, mask, positions, segment_ids)
+    if cfg.norm == "pre":
+      x = make_norm(cfg, "final_norm")(x)
+    return self.lm_head(embed, x)
+

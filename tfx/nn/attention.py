@@ -1,0 +1,115 @@
+"""Multi-head attention as a linen module: self or cross attention, with an optional KV cache.
+
+The module projects, applies rotary positions if asked, and calls the pure
+`tfx.ops.dot_product_attention` with the mask it is given. It knows nothing about causality,
+packing or objectives: those are in the mask.
+
+KV cache (decode=True): the cache holds `cached_key`/`cached_value` [b, s, k, d] for the
+maximum length s, `cached_segment` [b, s] (the segment id of each cached token, 0 = empty or
+padding) and `cache_index` (how many tokens are cached). Each decode call appends the new
+tokens and attends over the cache with mask: key j <= own index, same segment, key not
+padding. The shapes never change, so one compiled step serves every decoding position.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from tfx import ops
+from tfx.nn.layers import DenseGeneral, ModelConfig, constrain
+
+
+class Attention(nn.Module):
+  """Multi-head attention.
+
+  Attributes:
+    cfg: model hyper-parameters.
+    deterministic: disables dropout.
+    decode: use and update the KV cache (self-attention only).
+    use_rotary: apply RoPE to queries and keys with the given positions.
+  """
+
+  cfg: ModelConfig
+  deterministic: bool = True
+  decode: bool = False
+  use_rotary: bool = False
+
+  @nn.compact
+  def __call__(
+      self,
+      x_q: jax.Array,
+      x_kv: jax.Array,
+      mask: jax.Array | None,
+      *,
+      q_positions: jax.Array | None = None,
+      kv_positions: jax.Array | None = None,
+      q_segment_ids: jax.Array | None = None,
+      bias: jax.Array | None = None,
+  ) -> jax.Array:
+    """Attends x_q [b, t, e] over x_kv [b, s, e] with mask [b, 1|h, t, s]; returns [b, t, e]."""
+    cfg = self.cfg
+    h, d, e = cfg.num_heads, cfg.head_dim, cfg.d_model
+    proj = lambda axes, name: DenseGeneral(
+        (e,), (h, d), axes, use_bias=cfg.use_bias, init_std=cfg.init_std, dtype=cfg.compute_dtype, name=name)
+    q = proj(("embed", "heads", "kv"), "query")(x_q)  # [b, t, h, d]
+    k = proj(("embed", "heads", "kv"), "key")(x_kv)  # [b, s, h, d]
+    v = proj(("embed", "heads", "kv"), "value")(x_kv)  # [b, s, h, d]
+    if self.use_rotary:
+      q = ops.rotary(q, q_positions, cfg.rope_base)
+      k = ops.rotary(k, kv_positions, cfg.rope_base)
+    q = constrain(q, ("act_batch", "act_length", "act_heads", "act_kv"))
+    k = constrain(k, ("act_batch", "act_length", "act_heads", "act_kv"))
+    v = constrain(v, ("act_batch", "act_length", "act_heads", "act_kv"))
+
+    if self.decode:
+      k, v, mask = self._update_cache(k, v, q_segment_ids)
+
+    dropout = cfg.attention_dropout if not self.deterministic else 0.0
+    if dropout > 0.0:
+      out = _reference_with_dropout(q, k, v, mask, bias, dropout, self.make_rng("dropout"))
+    else:
+      out = ops.dot_product_attention(q, k, v, mask=mask, bias=bias, implementation=cfg.attention)
+    out = constrain(out, ("act_batch", "act_length", "act_heads", "act_kv"))  # [b, t, h, d]
+    return DenseGeneral(
+        (h, d), (e,), ("heads", "kv", "embed"),
+        use_bias=cfg.use_bias, init_std=cfg.init_std, dtype=cfg.compute_dtype, name="out")(out)
+
+  def _update_cache(self, k, v, q_segment_ids):
+    """Appends k, v [b, t, h, d] to the cache; returns the full cache and the decode mask."""
+    is_initialized = self.has_variable("cache", "cached_key")
+    b, t, h, d = k.shape
+    cached_k = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
+    cached_v = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+    cached_seg = self.variable("cache", "cached_segment", jnp.zeros, (b, t), jnp.int32)
+    index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+    if not is_initialized:
+      # Initialisation call with a full-length dummy input: it only sizes the cache.
+      return k, v, ops.decoder_mask(q_segment_ids)
+    i = index.value
+    s = cached_k.value.shape[1]
+    cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k, (0, i, 0, 0))
+    cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v, (0, i, 0, 0))
+    cached_seg.value = jax.lax.dynamic_update_slice(cached_seg.value, q_segment_ids.astype(jnp.int32), (0, i))
+    index.value = i + t
+    q_index = i + jnp.arange(t)  # [t]
+    causal = jnp.arange(s)[None, :] <= q_index[:, None]  # [t, s]
+    mask = causal[None, None] & ops.segment_mask(q_segment_ids, cached_seg.value)  # [b, 1, t, s]
+    return cached_k.value, cached_v.value, mask
+
+
+def _reference_with_dropout(q, k, v, mask, bias, rate, rng):
+  """Einsum attention with dropout on the probabilities (the fused kernels have none)."""
+  b, t, h, d = q.shape
+  scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) * d**-0.5
+  if bias is not None:
+    scores = scores + bias
+  if mask is not None:
+    scores = jnp.where(mask, scores, ops.MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1)
+  keep = jax.random.bernoulli(rng, 1.0 - rate, probs.shape)
+  probs = jnp.where(keep, probs / (1.0 - rate), 0.0).astype(v.dtype)
+  out = jnp.einsum("bhts,bshd->bthd", probs, v)
+  if mask is not None:
+    ok = jnp.moveaxis(ops.rows_attend(mask), 1, 2)[..., None]
+    out = jnp.where(ok, out, jnp.zeros((), out.dtype))
+  return out

@@ -1,0 +1,194 @@
+"""Small linen layers with logical axis names on every parameter.
+
+Parameter axis names: `vocab`, `embed`, `heads`, `kv` (head dim), `mlp`, `position`, `norm`,
+`layers` (added by nn.scan). Activation axis names start with `act_`. `tfx/parallel.py`
+maps both to mesh axes; the modules never name a mesh axis.
+"""
+
+import dataclasses
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from tfx import ops
+
+Dtype = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """The model's hyper-parameters, resolved from `config.model` plus the data facts."""
+
+  family: str
+  vocab_size: int
+  max_length: int
+  num_layers: int
+  d_model: int
+  num_heads: int
+  d_ff: int
+  position: str = "learned"
+  rope_base: float = 10000.0
+  norm: str = "pre"
+  norm_type: str = "layernorm"
+  mlp: str = "gelu"
+  use_bias: bool = True
+  tie_embeddings: bool = True
+  dropout: float = 0.0
+  attention_dropout: float = 0.0
+  dtype: str = "float32"
+  scan_layers: bool = True
+  remat: str = "none"
+  attention: str = "auto"
+  init_std: float = 0.02
+  norm_eps: float = 1e-6
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+  @property
+  def compute_dtype(self) -> Dtype:
+    return jnp.dtype(self.dtype)
+
+  @classmethod
+  def from_config(cls, model_cfg, *, vocab_size: int, max_length: int) -> "ModelConfig":
+    """Builds it from a `config.model` ConfigDict (unknown extra fields are ignored)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in model_cfg.to_dict().items() if k in fields}
+    return cls(vocab_size=vocab_size, max_length=max_length, **values)
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+  """Logical sharding constraint on an activation (no-op outside a mesh + rules context)."""
+  return nn.with_logical_constraint(x, tuple(axes))
+
+
+def _init(std: float):
+  return nn.initializers.normal(stddev=std)
+
+
+class DenseGeneral(nn.Module):
+  """y = x . W (+ b), contracting the last `len(in_shape)` dims of x.
+
+  Attributes:
+    in_shape: shape of the contracted trailing dims of x.
+    out_shape: shape of the output trailing dims.
+    axes: logical names of W's dims (in dims then out dims).
+  """
+
+  in_shape: tuple[int, ...]
+  out_shape: tuple[int, ...]
+  axes: tuple[str, ...]
+  use_bias: bool = True
+  init_std: float = 0.02
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    kernel = self.param(
+        "kernel",
+        nn.with_logical_partitioning(_init(self.init_std), self.axes),
+        self.in_shape + self.out_shape,
+        jnp.float32,
+    )
+    n_in = len(self.in_shape)
+    contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+    y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ())))
+    if self.use_bias:
+      bias = self.param(
+          "bias",
+          nn.with_logical_partitioning(nn.initializers.zeros, self.axes[n_in:]),
+          self.out_shape,
+          jnp.float32,
+      )
+      y = y + bias.astype(self.dtype)
+    return y
+
+
+class Embed(nn.Module):
+  """Token embedding table [vocab, embed]; `attend` is the tied output projection."""
+
+  num_embeddings: int
+  features: int
+  axes: tuple[str, str] = ("vocab", "embed")
+  init_std: float = 0.02
+  dtype: Dtype = jnp.float32
+
+  def setup(self):
+    self.embedding = self.param(
+        "embedding",
+        nn.with_logical_partitioning(_init(self.init_std), self.axes),
+        (self.num_embeddings, self.features),
+        jnp.float32,
+    )
+
+  def __call__(self, ids: jax.Array) -> jax.Array:
+    """[b, t] int -> [b, t, e]."""
+    return jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
+
+  def attend(self, x: jax.Array) -> jax.Array:
+    """[b, t, e] -> [b, t, v] logits against the embedding table."""
+    return jnp.einsum("bte,ve->btv", x.astype(self.dtype), self.embedding.astype(self.dtype))
+
+
+class Norm(nn.Module):
+  """LayerNorm ('layernorm', with bias) or RMSNorm ('rmsnorm', scale only), in float32."""
+
+  kind: str = "layernorm"
+  eps: float = 1e-6
+  use_bias: bool = True
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    d = x.shape[-1]
+    xf = x.astype(jnp.float32)
+    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (d,), jnp.float32)
+    if self.kind == "rmsnorm":
+      y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps) * scale
+    elif self.kind == "layernorm":
+      mean = jnp.mean(xf, axis=-1, keepdims=True)
+      var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+      y = (xf - mean) * jax.lax.rsqrt(var + self.eps) * scale
+      if self.use_bias:
+        y = y + self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)), (d,), jnp.float32)
+    else:
+      raise ValueError(f"unknown norm_type {self.kind!r}")
+    return y.astype(self.dtype)
+
+
+def make_norm(cfg: ModelConfig, name: str | None = None) -> Norm:
+  return Norm(kind=cfg.norm_type, eps=cfg.norm_eps, use_bias=cfg.use_bias, dtype=cfg.compute_dtype, name=name)
+
+
+_ACTIVATIONS = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+    "geglu": lambda x: jax.nn.gelu(x, approximate=True),
+    "swiglu": jax.nn.silu,
+}
+GATED = ("geglu", "swiglu")
+
+
+class Mlp(nn.Module):
+  """Position-wise feed-forward: dense-act-dense, or gated (act(x W0) * (x W1)) W_out."""
+
+  cfg: ModelConfig
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """[b, t, e] -> [b, t, e]."""
+    cfg = self.cfg
+    dense = lambda out, axes, name: DenseGeneral(
+        (x.shape[-1],) if axes[0] == "embed" else (cfg.d_ff,), (out,), axes,
+        use_bias=cfg.use_bias, init_std=cfg.init_std, dtype=cfg.compute_dtype, name=name)
+    act = _ACTIVATIONS[cfg.mlp]
+    h = act(dense(cfg.d_ff, ("embed", "mlp"), "wi_0")(x))  # [b, t, f]
+    if cfg.mlp in GATED:
+      h = h * dense(cfg.d_ff, ("embed", "mlp"), "wi_1")(x)
+    h = constrain(h, ("act_batch", "act_length", "act_mlp"))
+    h = nn.Dropout(cfg.dropout)(h, deterministic=self.deterministic)
+    return dense(cfg.d_model, ("mlp", "embed"), "wo")(h)  # [b, t, e]

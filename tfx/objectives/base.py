@@ -1,0 +1,77 @@
+"""The objective interface: what is predicted from what.
+
+An objective is a frozen dataclass registered by name in `tfx.registry.OBJECTIVES`. It owns
+everything between the packed batch and the scalar loss: it builds the model's inputs,
+targets, weights and masks with pure `jnp` functions of (batch, rng) inside the jitted step,
+calls the model, and returns the mean loss over predicted tokens with named metrics.
+
+    loss, metrics = objective.loss(model, params, batch, rng, train=True)
+
+`batch` holds `tokens`, `segment_ids` (0 = padding) and `positions`, [b, raw_length] int32
+each. `metrics` always has `loss`, `accuracy` and `num_tokens` (number of predicted tokens,
+used to weight gradient accumulation exactly).
+"""
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecialIds:
+  """Token ids the objectives need, read from the tokenizer by name (never hard-coded)."""
+
+  vocab_size: int
+  pad: int
+  eos: int
+  bos: int | None = None
+  unk: int | None = None
+  mask: int | None = None
+  cls: int | None = None
+  sep: int | None = None
+  sentinels: tuple[int, ...] = ()
+  special: tuple[int, ...] = ()  # every id that is not an ordinary text piece
+
+  @classmethod
+  def from_tokenizer(cls, tok) -> "SpecialIds":
+    return cls(
+        vocab_size=tok.vocab_size, pad=tok.pad_id, eos=tok.eos_id, bos=tok.bos_id, unk=tok.unk_id,
+        mask=tok.mask_id, cls=tok.cls_id, sep=tok.sep_id, sentinels=tuple(tok.sentinel_ids),
+        special=tuple(tok.special_ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """Base class. Subclasses set `families` and implement `loss`."""
+
+  ids: SpecialIds
+  z_loss: float = 0.0
+
+  # Model families this objective can drive.
+  families: ClassVar[tuple[str, ...]] = ()
+
+  @classmethod
+  def from_config(cls, objective_cfg, ids: SpecialIds) -> "Objective":
+    """Builds the objective from `config.objective` (fields the class does not have are ignored)."""
+    names = {f.name for f in dataclasses.fields(cls)} - {"ids"}
+    values = {k: v for k, v in objective_cfg.to_dict().items() if k in names}
+    return cls(ids=ids, **values)
+
+  @classmethod
+  def check_config(cls, config) -> list[str]:
+    """Problems with `config` for this objective (messages that say how to fix them)."""
+    problems = []
+    if config.model.family not in cls.families:
+      problems.append(
+          f"objective {config.objective.name!r} cannot drive model family {config.model.family!r}; "
+          f"it drives: {', '.join(cls.families)}. Change objective.name or model.family.")
+    return problems
+
+  def raw_length(self, seq_len: int) -> int:
+    """Raw tokens a packed row must hold for model sequence length `seq_len`."""
+    return seq_len
+
+  def loss(self, model, params, batch: dict[str, jax.Array], rng: jax.Array, *, train: bool
+           ) -> tuple[jax.Array, dict[str, Any]]:
+    raise NotImplementedError

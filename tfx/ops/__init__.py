@@ -1,0 +1,16 @@
+"""Pure functions with no parameters: attention and masks, positions, losses."""
+
+from tfx.ops.attention import (
+    MASK_VALUE,
+    assert_rows_attend,
+    causal_mask,
+    decoder_mask,
+    dot_product_attention,
+    padding_mask,
+    prefix_lm_mask,
+    reference_attention,
+    rows_attend,
+    segment_mask,
+)
+from tfx.ops.losses import weighted_cross_entropy
+from tfx.ops.positions import rotary, sinusoidal

@@ -1,0 +1,112 @@
+"""Device mesh, logical-axis rules, sharded state creation and global batch placement.
+
+Parallelism is a choice of mesh shape and of the rules below, never of model code:
+- data parallel: `batch` over `data` (and `fsdp`);
+- FSDP (ZeRO-3): parameter `embed` dims over `fsdp`, so each device holds 1/fsdp of every
+  matrix and its optimizer state, gathered just in time by XLA;
+- tensor parallel: `heads`, `mlp` and `vocab` over `tensor` (Megatron-style splits).
+"""
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tfx.config import resolve_mesh_shape
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# Logical axis -> mesh axis (or None = replicated). Parameters use the plain names,
+# activations the `act_` names.
+LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
+    ("act_batch", BATCH_AXES),
+    ("act_length", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_kv", None),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv", None),
+    ("mlp", "tensor"),
+    ("position", None),
+    ("norm", None),
+    ("layers", None),
+)
+
+
+def initialize_distributed() -> None:
+  """Multi-host start-up: `jax.distributed.initialize()` when launched on several hosts.
+
+  On TPU VMs and under SLURM/Open MPI JAX finds the coordinator itself; elsewhere set
+  JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID. A single process does nothing.
+  """
+  import os
+
+  explicit = "JAX_COORDINATOR_ADDRESS" in os.environ
+  on_tpu_pod = os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0
+  if explicit or on_tpu_pod or os.environ.get("TFX_DISTRIBUTED") == "1":
+    if explicit:
+      jax.distributed.initialize(
+          coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+          num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+          process_id=int(os.environ["JAX_PROCESS_ID"]),
+      )
+    else:
+      jax.distributed.initialize()
+
+
+def make_mesh(mesh_cfg, devices=None) -> Mesh:
+  """A Mesh with axes ('data', 'fsdp', 'tensor') of Auto type, sizes from the config."""
+  devices = jax.devices() if devices is None else devices
+  shape = resolve_mesh_shape(mesh_cfg, len(devices))
+  try:
+    from jax.experimental import mesh_utils
+
+    grid = mesh_utils.create_device_mesh(shape, devices=devices)
+  except Exception:  # noqa: BLE001  (fake or heterogeneous devices: plain order is fine)
+    grid = np.asarray(devices).reshape(shape)
+  return Mesh(grid, MESH_AXES)
+
+
+def _fits(shape, spec: P, mesh: Mesh) -> P:
+  """Drops mesh axes from dims they do not divide (e.g. an odd vocabulary), so any size runs."""
+  out = []
+  for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    if axes is None:
+      out.append(None)
+      continue
+    names = axes if isinstance(axes, tuple) else (axes,)
+    size = int(np.prod([mesh.shape[a] for a in names]))
+    out.append(axes if dim % size == 0 else None)
+  return P(*out)
+
+
+def logical_to_sharding(abstract_tree, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
+  """NamedShardings for a tree of (possibly LogicallyPartitioned) abstract values."""
+  specs = nn.get_partition_spec(abstract_tree)
+  mesh_specs = nn.logical_to_mesh(specs, rules)
+  shapes = jax.tree.map(lambda x: x.shape, nn.unbox(abstract_tree))
+  return jax.tree.map(
+      lambda shape, spec: NamedSharding(mesh, _fits(shape, spec, mesh)),
+      shapes, mesh_specs, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """[batch, length] arrays: batch split over the data axes."""
+  return NamedSharding(mesh, P(BATCH_AXES, None))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+  """Builds the global, sharded batch from this host's rows (`make_array_from_process_local_data`)."""
+  sharding = batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_batch.items()}

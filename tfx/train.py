@@ -1,0 +1,366 @@
+"""THE training loop: one loop for every model family and objective.
+
+    python -m tfx.train --config configs/quickstart.py --workdir runs/quickstart [--config.k=v ...]
+
+Reads as a story:
+  1. Config: load, override, validate (before anything is compiled or read).
+  2. Data: corpus -> tokenizer -> packed rows, this host's slice only.
+  3. Model, objective, optimizer: looked up in the registries by name.
+  4. State: created already sharded (eval_shape -> shardings -> jit with out_shardings).
+  5. Step: jax.grad of objective.loss, optional gradient accumulation, optax update;
+     jitted with in/out shardings and the state donated.
+  6. Checkpoints: orbax, async; resume restores state, PRNG and data position.
+  7. Loop: log, evaluate, checkpoint, stop (end, stop_after or SIGTERM).
+"""
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from tfx import checkpoint, config as config_lib, flops, parallel
+from tfx.data import DataPipeline, build_tokenizer, load_documents
+from tfx.errors import DataError, UserError
+from tfx.metrics import MetricsWriter, Progress
+from tfx.models import build_model
+from tfx.objectives import Objective, SpecialIds
+from tfx.registry import OBJECTIVES, load_builtins
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array  # int32 scalar: optimizer steps taken
+  params: Any
+  opt_state: Any
+  rng: jax.Array  # uint32 key data; the key of step s is fold_in(rng, s)
+
+
+# ============================================================================ set-up
+
+
+@dataclasses.dataclass
+class Experiment:
+  """Everything built from the config before anything is compiled."""
+
+  config: ml_collections.ConfigDict
+  workdir: str
+  tokenizer: Any
+  objective: Objective
+  model: nn.Module
+  pipeline: DataPipeline
+  mesh: jax.sharding.Mesh
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+
+
+def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """AdamW with linear warmup and cosine decay; clipping; decay on matrices only."""
+  o, steps = config.optim, config.train.steps
+  warmup = min(o.warmup_steps, max(steps - 1, 0))
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=o.learning_rate, warmup_steps=warmup,
+      decay_steps=max(steps, warmup + 1), end_value=o.learning_rate * o.final_lr_fraction)
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
+  parts.append(optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask))
+  return optax.chain(*parts), schedule
+
+
+def build(config: ml_collections.ConfigDict, workdir: str) -> Experiment:
+  """Validates the config and builds data, model, objective, mesh and optimizer."""
+  load_builtins()
+  config_lib.validate(config, num_devices=jax.device_count(), process_count=jax.process_count())
+  d = config.data
+  try:
+    corpus = load_documents(d.source, text_field=d.text_field, max_documents=d.max_documents)
+    tokenizer = build_tokenizer(d.tokenizer, corpus, d.vocab_size, workdir, seed=config.train.seed)
+  except (ValueError, FileNotFoundError) as e:
+    raise DataError(str(e)) from e
+  objective = OBJECTIVES.get(config.objective.name).from_config(config.objective, SpecialIds.from_tokenizer(tokenizer))
+  model = build_model(config.model, vocab_size=tokenizer.vocab_size, max_length=d.seq_len)
+  pipeline = DataPipeline.from_config(
+      d, tokenizer, corpus, row_length=objective.raw_length(d.seq_len), global_batch=config.train.batch_size,
+      seed=config.train.seed, process_index=jax.process_index(), process_count=jax.process_count())
+  tx, schedule = make_optimizer(config)
+  return Experiment(config, workdir, tokenizer, objective, model, pipeline, parallel.make_mesh(config.mesh), tx, schedule)
+
+
+# ============================================================================ state
+
+
+def _init_fn(model: nn.Module, tx: optax.GradientTransformation, seq_len: int):
+  """rng -> TrainState with boxed (logically partitioned) params."""
+  inputs = type(model).init_inputs(1, seq_len)
+
+  def init(rng):
+    params_rng, state_rng = jax.random.split(rng)
+    params = model.init({"params": params_rng, "dropout": params_rng}, **inputs)["params"]
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      rng=jax.random.key_data(state_rng))
+
+  return init
+
+
+def state_shardings(model: nn.Module, tx, mesh, seq_len: int):
+  """(abstract unboxed state, NamedShardings) from the logical axis names, without computing."""
+  with mesh, nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
+    boxed = jax.eval_shape(_init_fn(model, tx, seq_len), jax.random.key(0))
+  shardings = parallel.logical_to_sharding(boxed, mesh)
+  return nn.unbox(boxed), shardings
+
+
+def init_state(model: nn.Module, tx, mesh, seq_len: int, seed: int, shardings) -> TrainState:
+  """The train state, created directly in its sharded layout (no host holds all of it)."""
+  init = _init_fn(model, tx, seq_len)
+  with mesh, nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
+    return jax.jit(lambda r: nn.unbox(init(r)), out_shardings=shardings)(jax.random.key(seed))
+
+
+# ============================================================================ steps
+
+
+def _loss_and_grads(exp: Experiment, params, batch, rng):
+  """Mean loss and its gradient, accumulated exactly over `train.grad_accum` micro-batches."""
+  grad_fn = jax.value_and_grad(
+      lambda p, b, r: exp.objective.loss(exp.model, p, b, r, train=True), has_aux=True)
+  accum = exp.config.train.grad_accum
+  if accum == 1:
+    (_, metrics), grads = grad_fn(params, batch, rng)
+    return metrics, grads
+
+  # Micro-batch a takes rows a, a + accum, ...: each device keeps its own rows.
+  micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, accum, *x.shape[1:]), 0, 1), batch)
+
+  def body(carry, xs):
+    grads_sum, stats = carry
+    b, a = xs
+    (_, m), g = grad_fn(params, b, jax.random.fold_in(rng, a))
+    n = m["num_tokens"]
+    grads_sum = jax.tree.map(lambda s, gi: s + gi * n, grads_sum, g)
+    stats = {k: stats[k] + m[k] * (n if k != "num_tokens" else 1.0) for k in stats}
+    return (grads_sum, stats), None
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  stat_keys = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(lambda x: x[0], micro), rng)[0][1])
+  stats0 = {k: jnp.zeros((), jnp.float32) for k in stat_keys}
+  (grads_sum, stats), _ = jax.lax.scan(body, (zeros, stats0), (micro, jnp.arange(accum)))
+  n = jnp.maximum(stats["num_tokens"], 1.0)
+  grads = jax.tree.map(lambda g: g / n, grads_sum)
+  metrics = {k: (v / n if k != "num_tokens" else v) for k, v in stats.items()}
+  return metrics, grads
+
+
+def make_train_step(exp: Experiment, shardings):
+  """Jitted (state, batch) -> (state, metrics), state donated, shardings pinned."""
+
+  def step_fn(state: TrainState, batch):
+    rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    metrics, grads = _loss_and_grads(exp, state.params, batch, rng)
+    updates, opt_state = exp.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(metrics, grad_norm=optax.global_norm(grads), learning_rate=exp.schedule(state.step))
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+  jitted = jax.jit(step_fn, in_shardings=(shardings, parallel.batch_sharding(exp.mesh)),
+                   out_shardings=(shardings, parallel.replicated(exp.mesh)), donate_argnums=(0,))
+
+  def run(state, batch):
+    with exp.mesh, nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
+      return jitted(state, batch)
+
+  return run
+
+
+def make_eval_step(exp: Experiment, shardings):
+  def eval_fn(params, batch):
+    _, metrics = exp.objective.loss(exp.model, params, batch, jax.random.key(0), train=False)
+    return metrics
+
+  jitted = jax.jit(eval_fn, in_shardings=(shardings.params, parallel.batch_sharding(exp.mesh)),
+                   out_shardings=parallel.replicated(exp.mesh))
+
+  def run(params, batch):
+    with exp.mesh, nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
+      return jitted(params, batch)
+
+  return run
+
+
+def evaluate(exp: Experiment, eval_step, params, batches) -> dict[str, float]:
+  """Token-weighted mean of the eval metrics over the held-out batches."""
+  totals: dict[str, float] = {}
+  count = 0.0
+  for batch in batches:
+    m = jax.device_get(eval_step(params, parallel.global_batch(batch, exp.mesh)))
+    n = float(m["num_tokens"])
+    count += n
+    for k, v in m.items():
+      if k != "num_tokens":
+        totals[k] = totals.get(k, 0.0) + float(v) * n
+  out = {k: v / max(count, 1.0) for k, v in totals.items()}
+  out["num_tokens"] = count
+  return out
+
+
+# ============================================================================ loop
+
+
+class _Preemption:
+  """SIGTERM sets a flag; the loop saves a checkpoint and exits at the next step."""
+
+  def __init__(self):
+    self.requested = False
+    try:
+      signal.signal(signal.SIGTERM, self._handle)
+    except ValueError:  # not the main thread (e.g. inside a test runner thread)
+      pass
+
+  def _handle(self, signum, frame):
+    self.requested = True
+
+  def should_stop(self) -> bool:
+    if jax.process_count() == 1:
+      return self.requested
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.process_allgather(np.array([self.requested]))
+    return bool(np.any(flags))
+
+
+def write_config(config, workdir: str) -> None:
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config_lib.to_json(config))
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Trains (or resumes) `config` in `workdir`; returns a summary of the run."""
+  os.makedirs(workdir, exist_ok=True)
+  t = config.train
+  exp = build(config, workdir)
+  write_config(config, workdir)
+  progress = Progress(t.steps)
+  writer = MetricsWriter(workdir)
+  stats = exp.pipeline.stats
+  progress.note(f"tfx: {config.model.family} + {config.objective.name} on {config.data.source}: "
+                f"{stats.get('train_documents', '?')} train / {stats.get('eval_documents', '?')} eval documents, "
+                f"vocab {exp.tokenizer.vocab_size}, mesh {dict(exp.mesh.shape)}, workdir {workdir}")
+
+  abstract, shardings = state_shardings(exp.model, exp.tx, exp.mesh, config.data.seq_len)
+  mngr = checkpoint.manager(workdir, keep=t.keep_checkpoints, async_save=t.async_checkpoint)
+  latest = mngr.latest_step()
+  if latest is not None:
+    state, data_state = checkpoint.restore(mngr, latest, checkpoint.abstract_like(abstract, shardings))
+    exp.pipeline.restore(data_state)
+    writer.truncate_after(latest)
+    progress.note(f"resumed from {mngr.directory}/{latest}")
+  else:
+    state = init_state(exp.model, exp.tx, exp.mesh, config.data.seq_len, t.seed, shardings)
+  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
+  progress.note(f"parameters: {n_params:,}")
+
+  train_step = make_train_step(exp, shardings)
+  eval_step = make_eval_step(exp, shardings)
+  eval_batches = exp.pipeline.eval_batches()
+  tokens_per_step = t.batch_size * exp.pipeline.row_length
+  model_flops = flops.flops_per_token(exp.model.cfg, config.data.seq_len) * t.batch_size * config.data.seq_len
+  peak = flops.device_peak_flops()
+  preempt = _Preemption()
+
+  step = int(jax.device_get(state.step))
+  start_step = step
+  pending: list[dict] = []
+  last_time, last_step = time.time(), step
+  eval_record = None
+  while step < t.steps:
+    batch = parallel.global_batch(exp.pipeline.next_batch(), exp.mesh)
+    state, metrics = train_step(state, batch)
+    step += 1
+    pending.append(metrics)
+    if step % t.log_every == 0 or step == t.steps:
+      values = {k: float(np.mean([m[k] for m in jax.device_get(pending)])) for k in pending[0]}
+      pending = []
+      now = time.time()
+      sec_per_step = (now - last_time) / max(step - last_step, 1)
+      last_time, last_step = now, step
+      values["tokens_per_sec"] = tokens_per_step / sec_per_step
+      values["mfu"] = model_flops / sec_per_step / (peak * jax.device_count()) if peak else None
+      writer.write(step, "train", values)
+      progress.train(step, values["loss"], values["tokens_per_sec"], sec_per_step, values["mfu"])
+    if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+      eval_values = evaluate(exp, eval_step, state.params, eval_batches)
+      eval_record = writer.write(step, "eval", eval_values)
+      progress.eval(step, eval_values["loss"], eval_values.get("accuracy", float("nan")))
+      last_time = time.time()  # evaluation time is not training throughput
+    stopping = (t.stop_after and step - start_step >= t.stop_after) or preempt.should_stop()
+    if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps or stopping:
+      checkpoint.save(mngr, step, state, exp.pipeline.state())
+    if stopping:
+      progress.note(f"stopping at step {step} (checkpoint saved); run the same command to resume")
+      break
+  mngr.wait_until_finished()
+  mngr.close()
+  return {"step": step, "workdir": workdir, "state": state, "last_eval": eval_record, "experiment": exp}
+
+
+def load_trained(workdir: str, step: int | None = None):
+  """(config, tokenizer, model, params) of a trained run, for generation and evaluation.
+
+  Uses WORKDIR/config.json, the run's tokenizer and the latest (or given) checkpoint, placed
+  on a mesh of all local devices (data parallel).
+  """
+  from tfx.data import Tokenizer
+
+  load_builtins()
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    raise UserError(f"{workdir} is not a tfx run: it has no config.json (train one with python -m tfx.train)")
+  with open(path) as f:
+    config = config_lib.from_json(f.read())
+  tok_path = config.data.tokenizer or os.path.join(workdir, "tokenizer.model")
+  if not os.path.exists(tok_path):
+    raise UserError(f"tokenizer {tok_path} not found; the run's tokenizer is needed to encode prompts")
+  tokenizer = Tokenizer.load(tok_path)
+  model = build_model(config.model, vocab_size=tokenizer.vocab_size, max_length=config.data.seq_len)
+  tx, _ = make_optimizer(config)
+  with config.unlocked():
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
+  mesh = parallel.make_mesh(config.mesh)
+  abstract, shardings = state_shardings(model, tx, mesh, config.data.seq_len)
+  mngr = checkpoint.manager(workdir, keep=config.train.keep_checkpoints, async_save=False)
+  step = mngr.latest_step() if step is None else step
+  if step is None:
+    raise UserError(f"{workdir}/checkpoints has no checkpoint yet")
+  state, _ = checkpoint.restore(mngr, step, checkpoint.abstract_like(abstract, shardings))
+  mngr.close()
+  return config, tokenizer, model, state.params
+
+
+def main(argv: list[str] | None = None) -> None:
+  import argparse
+
+  parser = argparse.ArgumentParser(prog="python -m tfx.train", description=__doc__.split("\n")[0])
+  parser.add_argument("--config", required=True, help="config file, e.g. configs/quickstart.py")
+  parser.add_argument("--workdir", required=True, help="run directory (resumed if it has checkpoints)")
+  args, overrides = parser.parse_known_args(argv)
+  parallel.initialize_distributed()
+  try:
+    config = config_lib.load_config(args.config, overrides)
+    run(config, args.workdir)
+  except UserError as e:
+    sys.exit(f"tfx.train: {e}")
+
+
+if __name__ == "__main__":
+  main()
