@@ -23,3 +23,16 @@ def tiny_config(*overrides: str):
 @pytest.fixture
 def root() -> str:
   return ROOT
+
+
+@pytest.fixture(scope="session")
+def shared_tokenizer(tmp_path_factory) -> str:
+  """A sentencepiece model trained once on configs/tiny.py's corpus, for tests that do not
+  test tokenizer training itself."""
+  from tfx.data import build_tokenizer, load_documents
+
+  config = tiny_config()
+  workdir = str(tmp_path_factory.mktemp("tokenizer"))
+  corpus = load_documents(config.data.source, max_documents=config.data.max_documents)
+  build_tokenizer("", corpus, config.data.vocab_size, workdir)
+  return os.path.join(workdir, "tokenizer.model")

@@ -58,13 +58,13 @@ class Progress:
     self.enabled = jax.process_index() == 0
     self.start = time.time()
 
-  def train(self, step: int, loss: float, tokens_per_sec: float, seconds_per_step: float, mfu=None) -> None:
+  def train(self, step: int, loss: float, tokens_per_sec, seconds_per_step, mfu=None) -> None:
     if not self.enabled:
       return
-    eta = _duration((self.total - step) * seconds_per_step)
+    speed = f"{tokens_per_sec:,.0f} tok/s" if tokens_per_sec else "compiling"
+    eta = _duration((self.total - step) * seconds_per_step) if seconds_per_step else "?"
     extra = f" | mfu {mfu:.1%}" if mfu is not None else ""
-    print(f"step {step:>6}/{self.total} | loss {loss:.4f} | {tokens_per_sec:,.0f} tok/s{extra} | ETA {eta}",
-          file=self.stream, flush=True)
+    print(f"step {step:>6}/{self.total} | loss {loss:.4f} | {speed}{extra} | ETA {eta}", file=self.stream, flush=True)
 
   def eval(self, step: int, loss: float, accuracy: float) -> None:
     if self.enabled:

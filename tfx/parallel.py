@@ -7,6 +7,7 @@ Parallelism is a choice of mesh shape and of the rules below, never of model cod
 - tensor parallel: `heads`, `mlp` and `vocab` over `tensor` (Megatron-style splits).
 """
 
+import contextlib
 from typing import Any
 
 import flax.linen as nn
@@ -95,6 +96,13 @@ def logical_to_sharding(abstract_tree, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
   return jax.tree.map(
       lambda shape, spec: NamedSharding(mesh, _fits(shape, spec, mesh)),
       shapes, mesh_specs, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x))
+
+
+@contextlib.contextmanager
+def context(mesh: Mesh, rules=LOGICAL_AXIS_RULES):
+  """Inside: `mesh` is the current mesh and logical names resolve through `rules`."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    yield
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -114,7 +114,7 @@ def _init_fn(model: nn.Module, tx: optax.GradientTransformation, seq_len: int):
 
 def state_shardings(model: nn.Module, tx, mesh, seq_len: int):
   """(abstract unboxed state, NamedShardings) from the logical axis names, without computing."""
-  with mesh, nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
+  with parallel.context(mesh):
     boxed = jax.eval_shape(_init_fn(model, tx, seq_len), jax.random.key(0))
   shardings = parallel.logical_to_sharding(boxed, mesh)
   return nn.unbox(boxed), shardings
@@ -123,7 +123,7 @@ def state_shardings(model: nn.Module, tx, mesh, seq_len: int):
 def init_state(model: nn.Module, tx, mesh, seq_len: int, seed: int, shardings) -> TrainState:
   """The train state, created directly in its sharded layout (no host holds all of it)."""
   init = _init_fn(model, tx, seq_len)
-  with mesh, nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
+  with parallel.context(mesh):
     return jax.jit(lambda r: nn.unbox(init(r)), out_shardings=shardings)(jax.random.key(seed))
 
 
@@ -176,7 +176,7 @@ def make_train_step(exp: Experiment, shardings):
                    out_shardings=(shardings, parallel.replicated(exp.mesh)), donate_argnums=(0,))
 
   def run(state, batch):
-    with exp.mesh, nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
+    with parallel.context(exp.mesh):
       return jitted(state, batch)
 
   return run
@@ -191,7 +191,7 @@ def make_eval_step(exp: Experiment, shardings):
                    out_shardings=parallel.replicated(exp.mesh))
 
   def run(params, batch):
-    with exp.mesh, nn.logical_axis_rules(parallel.LOGICAL_AXIS_RULES):
+    with parallel.context(exp.mesh):
       return jitted(params, batch)
 
   return run
@@ -288,14 +288,18 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     state, metrics = train_step(state, batch)
     step += 1
     pending.append(metrics)
+    if step == start_step + 1:  # the first step compiles: keep it out of the throughput
+      jax.block_until_ready(metrics)
+      last_time, last_step = time.time(), step
     if step % t.log_every == 0 or step == t.steps:
       values = {k: float(np.mean([m[k] for m in jax.device_get(pending)])) for k in pending[0]}
       pending = []
       now = time.time()
-      sec_per_step = (now - last_time) / max(step - last_step, 1)
+      timed = step - last_step
+      sec_per_step = (now - last_time) / timed if timed else None
       last_time, last_step = now, step
-      values["tokens_per_sec"] = tokens_per_step / sec_per_step
-      values["mfu"] = model_flops / sec_per_step / (peak * jax.device_count()) if peak else None
+      values["tokens_per_sec"] = tokens_per_step / sec_per_step if sec_per_step else None
+      values["mfu"] = model_flops / sec_per_step / (peak * jax.device_count()) if peak and sec_per_step else None
       writer.write(step, "train", values)
       progress.train(step, values["loss"], values["tokens_per_sec"], sec_per_step, values["mfu"])
     if (t.eval_every and step % t.eval_every == 0) or step == t.steps:

@@ -1,0 +1,48 @@
+"""Runs a few training steps of configs/tiny.py on each requested mesh, on 8 fake CPU devices.
+
+Started by tests/test_sharding.py in its own process (the device count is fixed when JAX
+starts). Writes, per mesh, the train losses and the final parameters to OUT/<mesh>.npz.
+
+    python tests/mesh_worker.py OUT TOKENIZER "8,1,1" "2,4,1" ...
+"""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tfx import train  # noqa: E402
+from tfx.config import load_config  # noqa: E402
+from tfx.metrics import read_metrics  # noqa: E402
+
+
+def main(out: str, tokenizer: str, meshes: list[str]) -> None:
+  assert jax.device_count() == 8, jax.devices()
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  for mesh in meshes:
+    d, f, t = mesh.split(",")
+    config = load_config(os.path.join(root, "configs", "tiny.py"), [
+        f"--config.mesh.data={d}", f"--config.mesh.fsdp={f}", f"--config.mesh.tensor={t}",
+        f"--config.data.tokenizer={tokenizer}", "--config.train.steps=4", "--config.train.log_every=1",
+        "--config.train.eval_every=0", "--config.train.checkpoint_every=0", "--config.model.dropout=0.1",
+        "--config.train.batch_size=16", "--config.data.max_documents=60"])
+    workdir = os.path.join(out, "run_" + mesh.replace(",", "_"))
+    result = train.run(config, workdir)
+    state = result["state"]
+    # Parameters really are sharded as the mesh says (not silently replicated).
+    kernel = state.params["decoder"]["layers"]["mlp"]["wi_0"]["kernel"]
+    shard_shape = kernel.sharding.shard_shape(kernel.shape)  # [layers, embed, mlp] on one device
+    losses = [r["loss"] for r in read_metrics(workdir) if r["split"] == "train"]
+    flat = {jax.tree_util.keystr(k): np.asarray(jax.device_get(v))
+            for k, v in jax.tree_util.tree_leaves_with_path(state.params)}
+    np.savez(os.path.join(out, mesh.replace(",", "_") + ".npz"), losses=np.asarray(losses),
+             shard_shape=np.asarray(shard_shape), full_shape=np.asarray(kernel.shape), **flat)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1], sys.argv[2], sys.argv[3:])

@@ -1,0 +1,106 @@
+"""Configs: strict overrides and validation messages that say how to fix the problem."""
+
+import json
+import os
+
+import pytest
+
+from tests.conftest import ROOT, tiny_config
+from tfx import config as config_lib
+from tfx.config import ConfigError, load_config, validate
+from tfx.registry import FAMILIES, Registry
+
+BASE = os.path.join(ROOT, "configs", "base.py")
+
+
+def test_contract_keys_exist():
+  c = load_config(BASE)
+  for key in ["model.family", "model.num_layers", "model.d_model", "model.num_heads", "model.d_ff", "model.position",
+              "model.norm", "model.dropout", "model.dtype", "model.scan_layers", "model.remat", "objective.name",
+              "data.source", "data.seq_len", "data.vocab_size", "data.tokenizer", "train.steps", "train.batch_size",
+              "train.seed", "train.log_every", "train.eval_every", "train.checkpoint_every", "optim.learning_rate",
+              "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "mesh.data", "mesh.fsdp", "mesh.tensor"]:
+    section, name = key.split(".")
+    assert name in c[section], key
+
+
+def test_overrides_are_typed():
+  c = load_config(BASE, ["--config.train.steps=7", "--config.optim.learning_rate=1", "--config.model.scan_layers=false",
+                         "--config.data.source", "text:*.txt"])
+  assert c.train.steps == 7 and isinstance(c.train.steps, int)
+  assert c.optim.learning_rate == 1.0 and isinstance(c.optim.learning_rate, float)
+  assert c.model.scan_layers is False
+  assert c.data.source == "text:*.txt"
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("--config.train.stepz=3", "unknown config key 'train.stepz'"),
+    ("--config.nosuch.x=3", "unknown config key 'nosuch.x'"),
+    ("--config.train.steps=1.5", "expected an int"),
+    ("--config.train.steps=many", "expected an int"),
+    ("--config.model.scan_layers=maybe", "expected a bool"),
+    ("--config.optim.learning_rate=fast", "expected a float"),
+    ("--config.model=3", "is a section"),
+    ("--steps=3", "config overrides look like"),
+])
+def test_bad_overrides(arg, message):
+  with pytest.raises(ConfigError, match=message):
+    load_config(BASE, [arg])
+
+
+def test_missing_config_file():
+  with pytest.raises(ConfigError, match="does not exist"):
+    load_config("configs/no_such_config.py")
+
+
+def test_valid_configs_pass():
+  for name in ("base.py", "tiny.py", "quickstart.py"):
+    validate(load_config(os.path.join(ROOT, "configs", name)), num_devices=1)
+  validate(tiny_config("--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"), num_devices=8)
+
+
+@pytest.mark.parametrize("overrides, devices, message", [
+    (["--config.model.num_heads=3"], 1, "num_heads=3 does not divide model.d_model=64"),
+    (["--config.mesh.data=4"], 8, r"needs 4 devices but there are 8"),
+    (["--config.mesh.data=3", "--config.mesh.fsdp=-1"], 8, "does not fit 8 devices"),
+    (["--config.mesh.data=-1", "--config.mesh.fsdp=-1"], 8, "at most one of"),
+    (["--config.train.batch_size=6"], 4, "does not split across the data axes"),
+    (["--config.train.batch_size=8", "--config.train.grad_accum=4"], 4, "micro-batch 2"),
+    (["--config.mesh.data=2", "--config.mesh.tensor=4", "--config.model.num_heads=2", "--config.model.d_model=64"],
+     8, "mesh.tensor=4 does not divide model.num_heads=2"),
+    (["--config.model.position=alibi"], 1, "model.position='alibi'"),
+    (["--config.model.norm=sandwich"], 1, "model.norm='sandwich'"),
+    (["--config.model.remat=everything"], 1, "model.remat='everything'"),
+    (["--config.model.family=nope"], 1, "model.family='nope' is not registered"),
+    (["--config.objective.name=nope"], 1, "objective.name='nope' is not registered"),
+    (["--config.data.seq_len=1"], 1, "data.seq_len=1"),
+    (["--config.train.steps=0"], 1, "train.steps=0"),
+])
+def test_validate_messages(overrides, devices, message):
+  with pytest.raises(ConfigError, match=message):
+    validate(tiny_config(*overrides), num_devices=devices)
+
+
+def test_objective_that_cannot_drive_the_family():
+  from tfx.models.decoder import Decoder
+
+  name = "family_only_for_this_test"
+  if name not in FAMILIES:
+    FAMILIES.register(name)(Decoder)
+  with pytest.raises(ConfigError, match="objective 'causal_lm' cannot drive model family 'family_only_for_this_test'"):
+    validate(tiny_config(f"--config.model.family={name}"), num_devices=1)
+
+
+def test_registry_errors():
+  r = Registry("widget")
+  r.register("a")(object)
+  with pytest.raises(ValueError, match="registered twice"):
+    r.register("a")(object)
+  with pytest.raises(ValueError, match="known widgets: a"):
+    r.get("b")
+
+
+def test_json_round_trip():
+  c = tiny_config()
+  back = config_lib.from_json(config_lib.to_json(c))
+  assert json.loads(config_lib.to_json(back)) == json.loads(config_lib.to_json(c))

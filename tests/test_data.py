@@ -1,0 +1,528 @@
+"""Tests for tfx.data: sources, tokenizer, packing pipeline (CPU, offline)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from tfx.data import (Corpus, DataPipeline, Tokenizer, build_tokenizer, load_documents,
+                      tokenize_corpus)
+from tfx.data import sources as sources_lib
+from tfx.data import tokenizer as tokenizer_lib
+from tfx.data.pipeline import heldout_mask
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EOS = 1
+
+
+# ============================================================================ sources
+
+
+@pytest.fixture(scope="module")
+def stdlib_corpus() -> Corpus:
+  return load_documents("stdlib")
+
+
+def _relative(name: str) -> str:
+  return os.path.relpath(name, sources_lib.stdlib_root()).replace(os.sep, "/")
+
+
+def test_stdlib_corpus_is_sorted_real_and_free_of_tests(stdlib_corpus):
+  corpus = stdlib_corpus
+  assert len(corpus.documents) > 300
+  assert len(corpus.documents) == len(corpus.names)
+  assert corpus.num_bytes > 2_000_000
+  relative = [_relative(n) for n in corpus.names]
+  assert relative == sorted(relative)
+  assert len(set(relative)) == len(relative)
+  assert all(r.endswith(".py") for r in relative)
+  banned = {"test", "tests", "idle_test", "site-packages"}
+  for r in relative:
+    assert not banned & set(r.split("/")[:-1]), r
+  assert "os.py" in relative and "json/decoder.py" in relative
+  assert all(d.strip() for d in corpus.documents)
+  # Empty __init__.py files are skipped and counted, not silently lost.
+  assert set(corpus.skipped) <= {"empty", "undecodable"}
+
+
+def test_stdlib_corpus_is_deterministic(stdlib_corpus):
+  again = load_documents("stdlib")
+  assert again.names == stdlib_corpus.names
+  assert again.documents == stdlib_corpus.documents
+  first = load_documents("stdlib", max_documents=5)
+  assert first.documents == stdlib_corpus.documents[:5]
+  assert first.names == stdlib_corpus.names[:5]
+
+
+def _write(path, content):
+  path.parent.mkdir(parents=True, exist_ok=True)
+  if isinstance(content, bytes):
+    path.write_bytes(content)
+  else:
+    path.write_text(content, encoding="utf-8")
+  return path
+
+
+def test_text_glob_reads_text_and_jsonl(tmp_path):
+  _write(tmp_path / "b.txt", "second file\n")
+  _write(tmp_path / "a.txt", "first file")
+  _write(tmp_path / "sub" / "c.jsonl",
+         json.dumps({"text": "record one", "id": 1}) + "\n\n"
+         + json.dumps({"text": "record two"}) + "\n")
+  _write(tmp_path / "d.json", json.dumps({"body": "x", "text": "record three"}) + "\n")
+  corpus = load_documents(f"text:{tmp_path}/**/*")
+  assert corpus.documents == ["first file", "second file\n", "record three", "record one",
+                              "record two"]
+  assert corpus.names[0] == str(tmp_path / "a.txt")
+  assert corpus.names[3] == f"{tmp_path / 'sub' / 'c.jsonl'}:1"
+  assert corpus.names[4] == f"{tmp_path / 'sub' / 'c.jsonl'}:3"
+  assert corpus.skipped == {}
+  other_field = load_documents(f"text:{tmp_path}/*.json", text_field="body")
+  assert other_field.documents == ["x"]
+  assert load_documents(f"text:{tmp_path}/**/*", max_documents=2).documents == [
+      "first file", "second file\n"]
+
+
+def test_glob_matching_nothing_names_the_glob(tmp_path):
+  pattern = f"{tmp_path}/nothing-here/*.txt"
+  with pytest.raises(ValueError, match="nothing-here") as info:
+    load_documents(f"text:{pattern}")
+  assert pattern in str(info.value)
+  assert "matched no files" in str(info.value)
+
+
+def test_empty_and_undecodable_files_are_skipped_and_counted(tmp_path):
+  _write(tmp_path / "good.txt", "hello")
+  _write(tmp_path / "empty.txt", "")
+  _write(tmp_path / "blank.txt", "  \n\t\n")
+  _write(tmp_path / "latin1.txt", "caf\xe9 cr\xe8me".encode("latin-1"))
+  corpus = load_documents(f"text:{tmp_path}/*.txt")
+  assert corpus.documents == ["hello"]
+  assert corpus.skipped == {"empty": 2, "undecodable": 1}
+
+
+def test_corpus_with_no_documents_is_an_error(tmp_path):
+  _write(tmp_path / "empty.txt", "")
+  _write(tmp_path / "blank.txt", "\n\n")
+  _write(tmp_path / "bad.txt", b"\xff\xfe\xfa")
+  with pytest.raises(ValueError) as info:
+    load_documents(f"text:{tmp_path}/*.txt")
+  message = str(info.value)
+  assert "produced no documents" in message
+  assert "2 files empty" in message and "1 undecodable" in message
+
+
+def test_bad_jsonl_line_names_file_and_line(tmp_path):
+  path = _write(tmp_path / "data.jsonl", '{"text": "ok"}\n{"text": "ok too"}\n{not json\n')
+  with pytest.raises(ValueError) as info:
+    load_documents(f"text:{path}")
+  assert str(path) in str(info.value) and "line 3" in str(info.value)
+  path = _write(tmp_path / "data.jsonl", '{"text": "ok"}\n{"content": "no text field"}\n')
+  with pytest.raises(ValueError) as info:
+    load_documents(f"text:{path}")
+  assert str(path) in str(info.value) and "line 2" in str(info.value)
+  assert "'text'" in str(info.value)
+
+
+@pytest.mark.parametrize("source", ["wikipedia", "file:/tmp/x.txt", "", "STDLIB"])
+def test_unknown_source_lists_accepted_forms(source):
+  with pytest.raises(ValueError) as info:
+    load_documents(source)
+  message = str(info.value)
+  assert "stdlib" in message and "text:GLOB" in message and "hf:NAME" in message
+
+
+def test_hub_source_offline_gives_actionable_error(tmp_path):
+  env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+             HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH=REPO_ROOT)
+  script = textwrap.dedent("""
+      from tfx.data import load_documents
+      try:
+          load_documents("hf:some-user/some-dataset-that-is-not-cached:cfg")
+      except ValueError as e:
+          print("ERROR:", e)
+      else:
+          print("NO ERROR")
+  """)
+  result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=REPO_ROOT)
+  assert result.returncode == 0, result.stderr
+  out = result.stdout
+  assert "ERROR:" in out, out
+  assert "could not be reached" in out
+  assert "data.source=stdlib" in out and "text:GLOB" in out
+
+
+# ========================================================================== tokenizer
+
+SMALL_VOCAB = 1000
+TRAIN_BYTES = 500_000  # Keeps each tokenizer training around 1.5 s.
+
+
+@pytest.fixture(scope="module")
+def small_corpus(stdlib_corpus) -> Corpus:
+  n = 100
+  return Corpus(stdlib_corpus.documents[:n], stdlib_corpus.names[:n], {}, "stdlib")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory, small_corpus) -> Tokenizer:
+  path = str(tmp_path_factory.mktemp("tok") / "tokenizer.model")
+  return Tokenizer.train(small_corpus.documents, SMALL_VOCAB, path, seed=0,
+                         max_bytes=TRAIN_BYTES)
+
+
+def test_special_ids_are_named_and_distinct(tokenizer):
+  assert tokenizer.vocab_size == SMALL_VOCAB
+  named = {
+      "<pad>": tokenizer.pad_id, "</s>": tokenizer.eos_id, "<unk>": tokenizer.unk_id,
+      "<s>": tokenizer.bos_id, "<mask>": tokenizer.mask_id, "<cls>": tokenizer.cls_id,
+      "<sep>": tokenizer.sep_id,
+  }
+  assert (tokenizer.pad_id, tokenizer.eos_id, tokenizer.unk_id, tokenizer.bos_id) == (0, 1, 2, 3)
+  assert None not in named.values()
+  assert len(set(named.values())) == len(named)
+  for piece, i in named.items():
+    assert tokenizer.id_to_piece(i) == piece
+  sentinels = tokenizer.sentinel_ids
+  assert len(sentinels) == 100
+  assert [tokenizer.id_to_piece(i) for i in sentinels] == [
+      f"<extra_id_{k}>" for k in range(100)]
+  assert tokenizer.special_ids == tuple(sorted(set(named.values()) | set(sentinels)))
+  assert len(tokenizer.special_ids) == 107
+  assert tokenizer.piece_to_id("<no such piece>") is None
+
+
+def test_sentinels_are_single_pieces_that_survive_roundtrip(tokenizer):
+  sentinels = tokenizer.sentinel_ids
+  text = "def f(x):\n    return <extra_id_0> + x<extra_id_17>y <extra_id_99>\n"
+  ids = tokenizer.encode([text])[0]
+  assert sentinels[0] in ids and sentinels[17] in ids and sentinels[99] in ids
+  assert tokenizer.decode(ids) == text
+  for k in (0, 5, 99):
+    assert list(tokenizer.encode([f"<extra_id_{k}>"])[0]) == [sentinels[k]]
+    assert tokenizer.decode([sentinels[k]]) == f"<extra_id_{k}>"
+
+
+def test_control_symbols_never_come_from_text(tokenizer):
+  ids = tokenizer.encode(["<mask> <cls> <sep> <s> </s> <pad>"])[0]
+  controls = {tokenizer.mask_id, tokenizer.cls_id, tokenizer.sep_id, tokenizer.bos_id,
+              tokenizer.eos_id, tokenizer.pad_id}
+  assert not controls & set(ids.tolist())
+
+
+def test_roundtrip_on_real_stdlib_files(tokenizer, stdlib_corpus):
+  names = [_relative(n) for n in stdlib_corpus.names]
+  # One file the tokenizer saw and several it did not (byte fallback covers rare chars).
+  # re/_casefix.py and shlex.py are full of non-ASCII characters.
+  picks = [0, names.index("os.py"), names.index("json/decoder.py"),
+           names.index("re/_casefix.py"), names.index("shlex.py")]
+  texts = [stdlib_corpus.documents[i] for i in picks]
+  encoded = tokenizer.encode(texts)
+  for text, ids in zip(texts, encoded):
+    assert ids.dtype == np.int32 and ids.ndim == 1
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.unk_id not in ids
+    assert tokenizer.bos_id not in ids and tokenizer.eos_id not in ids
+  # Whitespace survives: leading spaces, tabs, blank lines, trailing newline, non-ASCII.
+  tricky = "  x = 1\n\n\tif y:\n        z  =  'é ü 日本'  \n"
+  assert tokenizer.decode(tokenizer.encode([tricky])[0]) == tricky
+  assert tokenizer.decode(np.asarray(tokenizer.encode([" lead"])[0])) == " lead"
+
+
+def test_encode_rejects_a_bare_string(tokenizer):
+  with pytest.raises(TypeError, match="list"):
+    tokenizer.encode("hello")
+
+
+def test_word_start_mask(tokenizer):
+  mask = tokenizer.word_start_mask()
+  assert mask.shape == (tokenizer.vocab_size,) and mask.dtype == bool
+  for i in range(tokenizer.vocab_size):
+    if tokenizer.id_to_piece(i).startswith("\u2581"):
+      assert mask[i]
+  assert mask[tokenizer.piece_to_id("\n")]
+  assert not mask[tokenizer.piece_to_id("<0x41>")]
+  assert 0 < mask.sum() < tokenizer.vocab_size
+  ids = tokenizer.encode(["import os\nimport sys\n"])[0]
+  words = [tokenizer.id_to_piece(i) for i in ids if mask[i]]
+  assert any(w.startswith("\u2581os") or w == "\u2581" for w in words)
+
+
+def test_training_is_deterministic(tokenizer, small_corpus, tmp_path):
+  again = Tokenizer.train(small_corpus.documents, SMALL_VOCAB, str(tmp_path / "t.model"), seed=0,
+                          max_bytes=TRAIN_BYTES)
+  assert again.model_proto == tokenizer.model_proto
+  with open(tmp_path / "t.model", "rb") as f:
+    assert f.read() == tokenizer.model_proto
+
+
+def test_too_small_vocab_is_a_clear_error(small_corpus):
+  with pytest.raises(ValueError, match="data.vocab_size"):
+    Tokenizer.train(small_corpus.documents[:10], 200, None)
+  with pytest.raises(ValueError, match="data.vocab_size"):
+    Tokenizer.train(["tiny corpus"], 5000, None)
+
+
+def test_load_missing_file_is_a_clear_error(tmp_path):
+  with pytest.raises(FileNotFoundError, match="data.tokenizer"):
+    Tokenizer.load(str(tmp_path / "missing.model"))
+  with pytest.raises(FileNotFoundError, match="missing.model"):
+    build_tokenizer(str(tmp_path / "missing.model"), Corpus(["x"], ["x"]), 1000, None)
+
+
+def test_build_tokenizer_trains_then_resumes(tmp_path, tokenizer, small_corpus, monkeypatch):
+  workdir = str(tmp_path / "run")
+  built = build_tokenizer("", small_corpus, SMALL_VOCAB, workdir, max_bytes=TRAIN_BYTES)
+  path = os.path.join(workdir, "tokenizer.model")
+  assert os.path.isfile(path)
+  assert built.model_proto == tokenizer.model_proto
+
+  def no_training(*args, **kwargs):
+    raise AssertionError("must load, not train")
+
+  monkeypatch.setattr(Tokenizer, "train", no_training)
+  resumed = build_tokenizer("", small_corpus, SMALL_VOCAB, workdir, max_bytes=TRAIN_BYTES)
+  assert resumed.model_proto == built.model_proto
+  explicit = build_tokenizer(path, small_corpus, 12345, None)
+  assert explicit.model_proto == built.model_proto
+
+
+# ========================================================================== pipeline
+
+
+def synthetic_documents(num_docs: int = 40, seed: int = 0, max_len: int = 60) -> list[np.ndarray]:
+  """Documents whose tokens identify them: doc i has tokens 1000*(i+1) + 0, 1, ..."""
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(1, max_len, size=num_docs)
+  return [np.arange(n, dtype=np.int32) + 1000 * (i + 1) for i, n in enumerate(lengths)]
+
+
+def make_pipeline(docs=None, **kwargs) -> DataPipeline:
+  options = dict(eos_id=EOS, row_length=16, global_batch=4, seed=0, eval_fraction=0.1,
+                 eval_batches=2)
+  options.update(kwargs)
+  return DataPipeline(synthetic_documents() if docs is None else docs, **options)
+
+
+def take(pipeline: DataPipeline, n: int) -> list[dict]:
+  return [pipeline.next_batch() for _ in range(n)]
+
+
+def assert_batches_equal(a: list[dict], b: list[dict]):
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    assert x.keys() == y.keys() == {"tokens", "segment_ids", "positions"}
+    for k in x:
+      np.testing.assert_array_equal(x[k], y[k])
+
+
+def assert_valid_rows(batch: dict, row_length: int, eos_id: int = EOS, padded: bool = False):
+  tokens, seg, pos = batch["tokens"], batch["segment_ids"], batch["positions"]
+  for a in (tokens, seg, pos):
+    assert a.dtype == np.int32 and a.ndim == 2 and a.shape[1] == row_length
+  for t, s, p in zip(tokens, seg, pos):
+    real = s > 0
+    if not padded:
+      assert real.all()
+    # Padding only at the end of a row, with zeros everywhere.
+    n = int(real.sum())
+    assert real[:n].all() and not real[n:].any()
+    assert (t[n:] == 0).all() and (p[n:] == 0).all()
+    if n == 0:
+      continue
+    assert s[0] == 1 and p[0] == 0
+    for j in range(1, n):
+      if s[j] == s[j - 1]:
+        assert p[j] == p[j - 1] + 1
+      else:
+        assert s[j] == s[j - 1] + 1 and p[j] == 0
+        assert t[j - 1] == eos_id  # A segment changes only after a document ends.
+
+
+def test_rows_have_exact_length_and_consistent_segments():
+  pipeline = make_pipeline()
+  for batch in take(pipeline, 3 * pipeline.batches_per_epoch):
+    assert batch["tokens"].shape == (4, 16)
+    assert_valid_rows(batch, 16)
+  # Multi-segment rows really occur with short documents.
+  rows = pipeline.epoch_rows(0)
+  assert rows["segment_ids"].max() >= 2
+
+
+def test_epoch_concatenates_to_shuffled_documents_plus_eos():
+  docs = synthetic_documents()
+  pipeline = make_pipeline(docs, seed=7)
+  train_ids = pipeline.train_document_indices
+  for epoch in (0, 1):
+    order = np.random.default_rng([7, epoch]).permutation(len(train_ids))
+    expected = np.concatenate([np.append(docs[train_ids[i]], EOS) for i in order])
+    batches = take(pipeline, pipeline.batches_per_epoch)
+    got = np.concatenate([b["tokens"].reshape(-1) for b in batches])
+    assert len(expected) - len(got) < pipeline.row_length * (pipeline.global_batch + 1)
+    np.testing.assert_array_equal(got, expected[:len(got)])
+    # The full epoch's rows drop less than one row.
+    rows = pipeline.epoch_rows(epoch)["tokens"].reshape(-1)
+    assert len(expected) - len(rows) < pipeline.row_length
+    np.testing.assert_array_equal(rows, expected[:len(rows)])
+  assert pipeline.stats["train_tokens"] == sum(len(docs[i]) + 1 for i in train_ids)
+
+
+def test_epochs_differ_and_batches_never_mix_epochs():
+  pipeline = make_pipeline()
+  first = pipeline.epoch_rows(0)["tokens"].copy()
+  second = pipeline.epoch_rows(1)["tokens"]
+  assert not np.array_equal(first, second)
+  per_epoch = pipeline.batches_per_epoch
+  batches = take(pipeline, per_epoch + 1)
+  np.testing.assert_array_equal(batches[per_epoch]["tokens"], second[:4])
+  assert pipeline.state() == {"epoch": 1, "row": 4}
+
+
+def test_same_seed_same_batches_different_seed_different_batches():
+  a = take(make_pipeline(seed=3), 6)
+  b = take(make_pipeline(seed=3), 6)
+  c = take(make_pipeline(seed=4), 6)
+  assert_batches_equal(a, b)
+  assert any(not np.array_equal(x["tokens"], y["tokens"]) for x, y in zip(a, c))
+
+
+def test_eval_split_is_disjoint_seed_independent_and_stable():
+  docs = synthetic_documents(200)
+  p0 = make_pipeline(docs, seed=0, eval_fraction=0.1)
+  p1 = make_pipeline(docs, seed=1, eval_fraction=0.1)
+  eval_ids, train_ids = set(p0.eval_document_indices), set(p0.train_document_indices)
+  assert eval_ids and train_ids and not eval_ids & train_ids
+  assert eval_ids | train_ids == set(range(len(docs)))
+  assert 5 <= len(eval_ids) <= 40
+  np.testing.assert_array_equal(p0.eval_document_indices, p1.eval_document_indices)
+  assert_batches_equal(p0.eval_batches(), p1.eval_batches())
+  assert_batches_equal(p0.eval_batches(), p0.eval_batches())
+  # Eval tokens come only from held-out documents (token // 1000 - 1 = document index).
+  for batch in p0.eval_batches():
+    assert_valid_rows(batch, 16, padded=True)
+    docs_seen = {int(t) // 1000 - 1 for t in batch["tokens"].reshape(-1) if t >= 1000}
+    assert docs_seen <= eval_ids
+  for batch in take(p0, p0.batches_per_epoch):
+    docs_seen = {int(t) // 1000 - 1 for t in batch["tokens"].reshape(-1) if t >= 1000}
+    assert docs_seen <= train_ids
+  # Membership is stable when documents are appended.
+  mask = heldout_mask(200, 0.1)
+  np.testing.assert_array_equal(heldout_mask(300, 0.1)[:200], mask)
+
+
+def test_eval_batches_first_rows_in_corpus_order():
+  docs = synthetic_documents(200)
+  pipeline = make_pipeline(docs, eval_fraction=0.3, eval_batches=2)
+  expected = np.concatenate([np.append(docs[i], EOS) for i in pipeline.eval_document_indices])
+  got = np.concatenate([b["tokens"].reshape(-1) for b in pipeline.eval_batches()])
+  assert len(pipeline.eval_batches()) == 2
+  np.testing.assert_array_equal(got, expected[:len(got)])
+  assert "first" in pipeline.eval_note
+
+
+def test_small_eval_split_is_padded_and_explained():
+  docs = [np.arange(5, dtype=np.int32) + 1000 * (i + 1) for i in range(100)]
+  pipeline = make_pipeline(docs, eval_fraction=0.02, global_batch=4, eval_batches=3)
+  batches = pipeline.eval_batches()
+  assert len(batches) == 1
+  assert pipeline.eval_note
+  batch = batches[0]
+  assert batch["tokens"].shape == (4, 16)
+  assert_valid_rows(batch, 16, padded=True)
+  assert (batch["segment_ids"][-1] == 0).all()  # A whole padding row.
+  assert (batch["segment_ids"] > 0).sum() == pipeline.stats["eval_tokens"]
+
+
+def test_fewer_eval_batches_when_split_is_short():
+  docs = [np.arange(15, dtype=np.int32) + 1000 * (i + 1) for i in range(400)]
+  pipeline = make_pipeline(docs, eval_fraction=0.1, global_batch=4, eval_batches=1000)
+  n_rows = pipeline.stats["eval_tokens"] // 16 + 1
+  assert len(pipeline.eval_batches()) == n_rows // 4
+  assert "eval batches" in pipeline.eval_note
+
+
+@pytest.mark.parametrize("process_count", [2, 4])
+def test_host_slices_concatenate_to_global_batch(process_count):
+  single = make_pipeline(global_batch=8)
+  hosts = [make_pipeline(global_batch=8, process_index=p, process_count=process_count)
+           for p in range(process_count)]
+  for _ in range(single.batches_per_epoch + 2):  # Crosses an epoch boundary.
+    full = single.next_batch()
+    parts = [h.next_batch() for h in hosts]
+    for k in full:
+      assert all(p[k].shape == (8 // process_count, 16) for p in parts)
+      np.testing.assert_array_equal(np.concatenate([p[k] for p in parts]), full[k])
+  full_eval = single.eval_batches()
+  host_evals = [h.eval_batches() for h in hosts]
+  for b, full in enumerate(full_eval):
+    for k in full:
+      np.testing.assert_array_equal(np.concatenate([e[b][k] for e in host_evals]), full[k])
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, "epoch_end", "past_epoch"])
+def test_exact_resume(k):
+  reference = make_pipeline(seed=11)
+  per_epoch = reference.batches_per_epoch
+  k = {"epoch_end": per_epoch, "past_epoch": per_epoch + 2}.get(k, k)
+  take(reference, k)
+  state = json.loads(json.dumps(reference.state()))
+  expected = take(reference, per_epoch + 3)  # Always crosses an epoch boundary.
+  resumed = make_pipeline(seed=11)
+  resumed.restore(state)
+  assert_batches_equal(take(resumed, per_epoch + 3), expected)
+  assert resumed.state() == reference.state()
+
+
+def test_batch_is_a_copy_and_eval_is_read_only():
+  pipeline = make_pipeline()
+  batch = pipeline.next_batch()
+  batch["tokens"][:] = -5
+  assert (pipeline.epoch_rows(0)["tokens"] != -5).all()
+  with pytest.raises(ValueError):
+    pipeline.eval_batches()[0]["tokens"][0, 0] = 3
+
+
+def test_invalid_configurations_are_clear_errors():
+  with pytest.raises(ValueError, match="too small"):
+    make_pipeline(synthetic_documents(10), global_batch=64)
+  with pytest.raises(ValueError, match="not divisible"):
+    make_pipeline(global_batch=6, process_count=4)
+  with pytest.raises(ValueError, match="at least 2"):
+    make_pipeline(synthetic_documents(1))
+  with pytest.raises(ValueError, match="eval_fraction"):
+    make_pipeline(eval_fraction=0.0)
+  pipeline = make_pipeline()
+  with pytest.raises(ValueError, match="state"):
+    pipeline.restore({"epoch": 0})
+  with pytest.raises(ValueError, match="does not fit"):
+    pipeline.restore({"epoch": 0, "row": 10**9})
+
+
+def test_from_config_and_tokenize_cache(tokenizer, small_corpus, tmp_path):
+  ml_collections = pytest.importorskip("ml_collections")
+  data_cfg = ml_collections.ConfigDict({"eval_fraction": 0.05, "eval_batches": 2})
+  corpus = Corpus(small_corpus.documents[:40], small_corpus.names[:40])
+  cache = str(tmp_path / "cache")
+  pipeline = DataPipeline.from_config(data_cfg, tokenizer, corpus, row_length=64,
+                                      global_batch=4, seed=0, process_index=0,
+                                      process_count=1, cache_dir=cache)
+  batch = pipeline.next_batch()
+  assert_valid_rows(batch, 64, eos_id=tokenizer.eos_id)
+  assert len(pipeline.eval_batches()) == 2
+  assert pipeline.stats["documents"] == 40
+  direct = tokenize_corpus(tokenizer, corpus)
+  assert len(os.listdir(cache)) == 2 and all(f.endswith(".npy") for f in os.listdir(cache))
+  cached = tokenize_corpus(tokenizer, corpus, cache_dir=cache)
+  assert len(cached) == len(direct)
+  for a, b in zip(cached, direct):
+    assert a.dtype == np.int32
+    np.testing.assert_array_equal(a, b)
+  assert sum(map(len, direct)) + 40 == (pipeline.stats["train_tokens"]
+                                        + pipeline.stats["eval_tokens"])

@@ -1,0 +1,36 @@
+"""Mesh invariance: the same training on 8 fake CPU devices with different meshes gives the
+same losses and the same parameters (data, FSDP and tensor parallelism are layouts only)."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT
+
+MESHES = ["8,1,1", "2,4,1", "2,2,2", "1,8,1"]
+
+
+@pytest.mark.slow
+def test_mesh_invariance(tmp_path, shared_tokenizer):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "mesh_worker.py"), str(tmp_path), shared_tokenizer,
+                         *MESHES], env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+  runs = {m: dict(np.load(tmp_path / (m.replace(",", "_") + ".npz"))) for m in MESHES}
+  ref = runs[MESHES[0]]
+  assert len(ref["losses"]) == 4 and ref["losses"][-1] < ref["losses"][0]
+  # The layouts really differ: FSDP shards the embed dim, tensor parallelism the MLP dim.
+  l, e, f = ref["full_shape"]
+  assert tuple(ref["shard_shape"]) == (l, e, f)
+  assert tuple(runs["2,4,1"]["shard_shape"]) == (l, e // 4, f)
+  assert tuple(runs["2,2,2"]["shard_shape"]) == (l, e // 2, f // 2)
+  assert tuple(runs["1,8,1"]["shard_shape"]) == (l, e // 8, f)
+  for mesh in MESHES[1:]:
+    run = runs[mesh]
+    np.testing.assert_allclose(run["losses"], ref["losses"], rtol=1e-5, err_msg=mesh)
+    for key in ref:
+      if key not in ("losses", "shard_shape", "full_shape"):
+        np.testing.assert_allclose(run[key], ref[key], rtol=1e-4, atol=2e-6, err_msg=f"{mesh} {key}")

@@ -1,0 +1,223 @@
+"""Throughput, MFU, compile time and memory of a config's training step.
+
+    python -m tfx.bench --config configs/base.py [--config.k=v ...] [--steps 10 --warmup 2 --json out.json]
+
+The model, objective, optimizer, sharded state and jitted train step are built exactly as
+`tfx.train` builds them; only the data is synthetic (random token rows of the objective's raw
+length, one document per row), so no corpus or tokenizer is needed and nothing is read.
+
+Numbers:
+  compile_s      tracing + lowering + XLA compilation of the train step (first call)
+  step_s         median wall time of the timed steps (each blocked on its results)
+  tokens_per_s   batch_size * raw row length / step_s
+  flops_per_token, model_tflops_per_s: model FLOPs (tfx.flops, PaLM appendix B) and their rate
+  mfu            model FLOP/s / (peak FLOP/s per device * devices); None where the peak is
+                 unknown (CPU)
+"""
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from typing import Any, Iterator
+
+import jax
+import ml_collections
+import numpy as np
+
+from tfx import config as config_lib, flops, parallel
+from tfx.errors import UserError
+from tfx.models import build_model
+from tfx.objectives import SpecialIds
+from tfx.registry import OBJECTIVES, load_builtins
+
+# jax.monitoring events whose durations add up to the compile time of a jitted call.
+COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+NUM_SENTINELS = 100
+
+
+def synthetic_ids(vocab_size: int) -> SpecialIds:
+  """Special ids without a tokenizer: pad 0, eos 1, unk 2, bos 3, mask 4, cls 5, sep 6, and
+  100 sentinels at the top of the vocabulary (<extra_id_0> = vocab_size - 1, descending)."""
+  sentinels = tuple(range(vocab_size - 1, vocab_size - 1 - NUM_SENTINELS, -1))
+  return SpecialIds(vocab_size=vocab_size, pad=0, eos=1, unk=2, bos=3, mask=4, cls=5, sep=6,
+                    sentinels=sentinels, special=tuple(range(7)) + sentinels)
+
+
+def synthetic_batch(batch_size: int, length: int, vocab_size: int, seed: int = 0) -> dict[str, np.ndarray]:
+  """Random ordinary tokens, one document per row: tokens, segment_ids (1), positions (arange).
+
+  Returns:
+    dict of [batch_size, length] int32 arrays.
+  """
+  rng = np.random.default_rng(seed)
+  low, high = (7, vocab_size - NUM_SENTINELS) if vocab_size > 7 + NUM_SENTINELS else (0, vocab_size)
+  return {
+      "tokens": rng.integers(low, high, (batch_size, length), dtype=np.int32),
+      "segment_ids": np.ones((batch_size, length), np.int32),
+      "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (batch_size, length)).copy(),
+  }
+
+
+@contextlib.contextmanager
+def compile_timer() -> Iterator[dict[str, float]]:
+  """Adds up the JAX compile events (trace, lower, XLA compile) seen inside the block."""
+  from jax import monitoring
+
+  totals = {"seconds": 0.0}
+
+  def listen(event: str, duration: float, **kwargs) -> None:
+    if event in COMPILE_EVENTS:
+      totals["seconds"] += duration
+
+  monitoring.register_event_duration_secs_listener(listen)
+  try:
+    yield totals
+  finally:
+    monitoring.unregister_event_duration_listener(listen)
+
+
+def peak_memory_bytes() -> int | None:
+  """Largest peak bytes in use over the local devices, if the backend reports it (not on CPU)."""
+  peaks = []
+  for d in jax.local_devices():
+    try:
+      stats = d.memory_stats()
+    except Exception:  # noqa: BLE001  (backends without memory stats)
+      stats = None
+    if stats and "peak_bytes_in_use" in stats:
+      peaks.append(int(stats["peak_bytes_in_use"]))
+  return max(peaks) if peaks else None
+
+
+def build_experiment(config: ml_collections.ConfigDict):
+  """The training `Experiment` of `config` with synthetic data (no tokenizer, no pipeline)."""
+  from tfx.train import Experiment, make_optimizer
+
+  load_builtins()
+  config_lib.validate(config, num_devices=jax.device_count(), process_count=jax.process_count())
+  ids = synthetic_ids(config.data.vocab_size)
+  objective = OBJECTIVES.get(config.objective.name).from_config(config.objective, ids)
+  model = build_model(config.model, vocab_size=ids.vocab_size, max_length=config.data.seq_len)
+  tx, schedule = make_optimizer(config)
+  mesh = parallel.make_mesh(config.mesh)
+  return Experiment(config=config, workdir="", tokenizer=None, objective=objective, model=model, pipeline=None,
+                    mesh=mesh, tx=tx, schedule=schedule)
+
+
+def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 2) -> dict[str, Any]:
+  """Builds the train step of `config` as training does and times it on synthetic data.
+
+  Args:
+    config: a loaded config (validated here).
+    steps: timed steps (after warmup); at least 1.
+    warmup: untimed steps after the compiling first call.
+  Returns:
+    a dict of plain numbers and strings (see the module docstring); `mfu` is None on devices
+    of unknown peak (CPU), `peak_memory_bytes` None where the backend does not report it.
+  """
+  from tfx.train import init_state, make_train_step, state_shardings
+
+  if steps < 1 or warmup < 0:
+    raise UserError(f"need --steps >= 1 and --warmup >= 0 (got {steps}, {warmup})")
+  exp = build_experiment(config)
+  seq_len, batch_size = config.data.seq_len, config.train.batch_size
+  row_length = exp.objective.raw_length(seq_len)
+  abstract, shardings = state_shardings(exp.model, exp.tx, exp.mesh, seq_len)
+  state = init_state(exp.model, exp.tx, exp.mesh, seq_len, config.train.seed, shardings)
+  train_step = make_train_step(exp, shardings)
+  local_rows = batch_size // jax.process_count()
+  host = synthetic_batch(local_rows, row_length, exp.model.cfg.vocab_size, seed=config.train.seed + jax.process_index())
+  batch = parallel.global_batch(host, exp.mesh)
+
+  with compile_timer() as compiled:
+    start = time.perf_counter()
+    state, metrics = jax.block_until_ready(train_step(state, batch))
+    first_call_s = time.perf_counter() - start
+  for _ in range(warmup):
+    state, metrics = jax.block_until_ready(train_step(state, batch))
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    state, metrics = jax.block_until_ready(train_step(state, batch))
+    times.append(time.perf_counter() - start)
+
+  step_s = statistics.median(times)
+  per_token = flops.flops_per_token(exp.model.cfg, seq_len)
+  achieved = per_token * batch_size * seq_len / step_s  # model FLOP/s, all devices
+  peak = flops.device_peak_flops()
+  device = jax.devices()[0]
+  return {
+      "config_family": config.model.family,
+      "objective": config.objective.name,
+      "parameters": int(sum(np.prod(x.shape) for x in jax.tree.leaves(abstract.params))),
+      "batch_size": batch_size,
+      "seq_len": seq_len,
+      "row_length": row_length,
+      "device_kind": getattr(device, "device_kind", device.platform),
+      "platform": device.platform,
+      "device_count": jax.device_count(),
+      "mesh": {k: int(v) for k, v in exp.mesh.shape.items()},
+      "compile_s": compiled["seconds"] if compiled["seconds"] > 0 else first_call_s,
+      "first_call_s": first_call_s,
+      "step_s": step_s,
+      "step_s_all": times,
+      "tokens_per_s": batch_size * row_length / step_s,
+      "flops_per_token": per_token,
+      "model_tflops_per_s": achieved / 1e12,
+      "peak_tflops_per_device": peak / 1e12 if peak else None,
+      "mfu": achieved / (peak * jax.device_count()) if peak else None,
+      "peak_memory_bytes": peak_memory_bytes(),
+      "loss": float(jax.device_get(metrics["loss"])),
+  }
+
+
+def format_table(r: dict[str, Any]) -> str:
+  """A small two-column table of the benchmark results."""
+  mfu = (f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None
+         else f"n/a (no known peak FLOP/s for {r['device_kind']})")
+  mem = f"{r['peak_memory_bytes'] / 2**30:.2f} GiB" if r["peak_memory_bytes"] is not None else "n/a (not reported)"
+  rows = [
+      ("model", f"{r['config_family']} + {r['objective']}, {r['parameters']:,} parameters"),
+      ("devices", f"{r['device_count']} x {r['device_kind']}, mesh {r['mesh']}"),
+      ("batch", f"{r['batch_size']} rows x {r['row_length']} tokens (seq_len {r['seq_len']})"),
+      ("compile", f"{r['compile_s']:.2f} s (first call {r['first_call_s']:.2f} s)"),
+      ("step", f"{1e3 * r['step_s']:.1f} ms (median of {len(r['step_s_all'])})"),
+      ("tokens/s", f"{r['tokens_per_s']:,.0f}"),
+      ("FLOPs/token", f"{r['flops_per_token']:.4g}"),
+      ("achieved", f"{r['model_tflops_per_s']:.4f} TFLOP/s (model FLOPs)"),
+      ("MFU", mfu),
+      ("peak memory", mem),
+  ]
+  width = max(len(k) for k, _ in rows)
+  return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m tfx.bench", description=__doc__.split("\n")[0])
+  parser.add_argument("--config", required=True, help="config file, e.g. configs/base.py")
+  parser.add_argument("--steps", type=int, default=10, help="timed steps")
+  parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the compiling call")
+  parser.add_argument("--json", default=None, help="also write the results as JSON to this path")
+  args, overrides = parser.parse_known_args(argv)
+  parallel.initialize_distributed()
+  try:
+    config = config_lib.load_config(args.config, overrides)
+    result = benchmark(config, steps=args.steps, warmup=args.warmup)
+  except UserError as e:
+    sys.exit(f"tfx.bench: {e}")
+  if jax.process_index() == 0:
+    print(format_table(result))
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,275 @@
+"""Text sources: turn a ``data.source`` string into a list of documents.
+
+Accepted forms (see :func:`load_documents`):
+
+- ``stdlib``: the ``.py`` files of the running interpreter's standard library
+    (minus test packages), one document per file, sorted by relative path.
+- ``text:GLOB``: local files matched by ``glob.glob(GLOB, recursive=True)``.
+    ``.jsonl`` / ``.json`` files are read as JSON lines (one document per line,
+    taken from ``text_field``); any other file is one document.
+- ``hf:NAME`` or ``hf:NAME:CONFIG``: the ``train`` split of a Hugging Face hub
+    dataset (needs network access, or a warm local cache).
+
+Everything except ``hf:`` is offline and deterministic: the same source gives
+the same documents in the same order on every run and every host.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import json
+import os
+import sysconfig
+from typing import Iterable, Iterator
+
+ACCEPTED_FORMS = "'stdlib', 'text:GLOB' (e.g. 'text:data/**/*.txt') or 'hf:NAME[:CONFIG]'"
+
+# Directory names whose contents are never part of the ``stdlib`` corpus.
+_STDLIB_EXCLUDED_DIRS = frozenset(
+    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+)
+_JSON_LINES_SUFFIXES = (".jsonl", ".json")
+
+
+@dataclasses.dataclass
+class Corpus:
+  """A list of text documents and where they came from.
+
+  Attributes:
+      documents: the document texts, in a deterministic order.
+      names: one name per document: a file path, ``PATH:LINE`` for a JSON-lines
+          record, or ``hf:NAME#index`` for a hub record.
+      skipped: reason -> number of inputs skipped for that reason (``"empty"``,
+          ``"undecodable"``).
+      source: the source string the corpus was loaded from.
+  """
+
+  documents: list[str]
+  names: list[str]
+  skipped: dict[str, int] = dataclasses.field(default_factory=dict)
+  source: str = ""
+
+  def __len__(self) -> int:
+    return len(self.documents)
+
+  @property
+  def num_bytes(self) -> int:
+    """Total UTF-8 size of the documents, in bytes."""
+    return sum(len(d.encode("utf-8")) for d in self.documents)
+
+
+def load_documents(source: str, *, text_field: str = "text", max_documents: int = 0) -> Corpus:
+  """Loads the documents of a data source.
+
+  Args:
+      source: ``"stdlib"``, ``"text:GLOB"`` or ``"hf:NAME[:CONFIG]"``.
+      text_field: the field holding the text in JSON-lines files and hub datasets.
+      max_documents: if > 0, keep only the first ``max_documents`` documents.
+
+  Returns:
+      A :class:`Corpus` whose documents are all non-empty (not whitespace-only).
+
+  Raises:
+      ValueError: unknown source form, a glob matching nothing, a malformed
+          JSON-lines record, an unreachable hub dataset, or a source that leaves no
+          documents once empty / undecodable inputs are skipped.
+  """
+  if not isinstance(source, str) or not source:
+    raise ValueError(
+        f"data source must be a non-empty string; accepted forms: {ACCEPTED_FORMS}")
+  if max_documents < 0:
+    raise ValueError(f"max_documents must be >= 0 (0 = all), got {max_documents}")
+  skipped: collections.Counter[str] = collections.Counter()
+  if source == "stdlib":
+    records = _read_files(stdlib_files(), skipped)
+  elif source.startswith("text:"):
+    records = _read_glob(source[len("text:"):], text_field, skipped)
+  elif source.startswith("hf:"):
+    records = _read_hub(source[len("hf:"):], text_field, skipped)
+  else:
+    raise ValueError(f"unknown data source {source!r}; accepted forms: {ACCEPTED_FORMS}")
+
+  names: list[str] = []
+  documents: list[str] = []
+  for name, text in records:
+    if max_documents and len(documents) >= max_documents:
+      break
+    names.append(name)
+    documents.append(text)
+  skipped_dict = {k: v for k, v in sorted(skipped.items()) if v}
+  if not documents:
+    raise ValueError(
+        f"data source {source!r} produced no documents ({skipped['empty']} files empty, "
+        f"{skipped['undecodable']} undecodable); point data.source at non-empty UTF-8 "
+        f"text")
+  return Corpus(documents=documents, names=names, skipped=skipped_dict, source=source)
+
+
+def stdlib_root() -> str:
+  """Returns the directory of the running interpreter's standard library."""
+  return sysconfig.get_paths()["stdlib"]
+
+
+def stdlib_files(root: str | None = None) -> list[str]:
+  """Lists the standard library's ``.py`` files, minus test packages.
+
+  Args:
+      root: the standard library directory (default: :func:`stdlib_root`).
+
+  Returns:
+      Absolute paths sorted by their path relative to ``root`` (with ``/``
+      separators), so the order is the same on every run.
+  """
+  root = root or stdlib_root()
+  found: list[tuple[str, str]] = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    rel_dir = os.path.relpath(dirpath, root)
+    parts = [] if rel_dir == "." else rel_dir.split(os.sep)
+    if any(p in _STDLIB_EXCLUDED_DIRS for p in parts):
+      dirnames[:] = []
+      continue
+    dirnames[:] = [d for d in dirnames if d not in _STDLIB_EXCLUDED_DIRS]
+    for filename in filenames:
+      if filename.endswith(".py"):
+        rel = "/".join(parts + [filename])
+        found.append((rel, os.path.join(dirpath, filename)))
+  found.sort()
+  return [path for _, path in found]
+
+
+def _is_blank(text: str) -> bool:
+  return not text.strip()
+
+
+def _read_files(paths: Iterable[str], skipped: collections.Counter) -> Iterator[tuple[str, str]]:
+  """Yields ``(path, text)`` for each file, skipping empty and non-UTF-8 ones."""
+  for path in paths:
+    text = _read_text(path, skipped)
+    if text is not None:
+      yield path, text
+
+
+def _read_text(path: str, skipped: collections.Counter) -> str | None:
+  with open(path, "rb") as f:
+    raw = f.read()
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError:
+    skipped["undecodable"] += 1
+    return None
+  if _is_blank(text):
+    skipped["empty"] += 1
+    return None
+  return text
+
+
+def _read_glob(pattern: str, text_field: str,
+               skipped: collections.Counter) -> Iterator[tuple[str, str]]:
+  if not pattern:
+    raise ValueError(
+        "data source 'text:' needs a glob after the colon, e.g. 'text:data/*.txt'")
+  paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+  if not paths:
+    raise ValueError(
+        f"glob {pattern!r} (data.source='text:{pattern}') matched no files "
+        f"(working directory: {os.getcwd()})")
+  return _read_glob_files(paths, text_field, skipped)
+
+
+def _read_glob_files(paths: list[str], text_field: str,
+                     skipped: collections.Counter) -> Iterator[tuple[str, str]]:
+  for path in paths:
+    if path.lower().endswith(_JSON_LINES_SUFFIXES):
+      yield from _read_json_lines(path, text_field, skipped)
+    else:
+      text = _read_text(path, skipped)
+      if text is not None:
+        yield path, text
+
+
+def _read_json_lines(path: str, text_field: str,
+                     skipped: collections.Counter) -> Iterator[tuple[str, str]]:
+  """Yields ``(PATH:LINE, text)`` for each record of a JSON-lines file."""
+  text = _read_text(path, skipped)
+  if text is None:
+    return
+  for line_number, line in enumerate(text.splitlines(), start=1):
+    if not line.strip():
+      continue
+    where = f"{path}, line {line_number}"
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ValueError(
+          f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+    if not isinstance(record, dict) or text_field not in record:
+      raise ValueError(
+          f"{where}: record has no field {text_field!r}; set data.text_field to the field "
+          f"that holds the text")
+    value = record[text_field]
+    if not isinstance(value, str):
+      raise ValueError(
+          f"{where}: field {text_field!r} is {type(value).__name__}, expected a string")
+    if _is_blank(value):
+      skipped["empty"] += 1
+      continue
+    yield f"{path}:{line_number}", value
+
+
+def _hub_offline_message(name: str, detail: str) -> str:
+  return (f"hub dataset {name!r} could not be reached ({detail}); the machine looks offline or "
+          f"HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set. Use data.source=stdlib or "
+          f"data.source='text:GLOB' for local files instead")
+
+
+def _read_hub(spec: str, text_field: str,
+              skipped: collections.Counter) -> Iterator[tuple[str, str]]:
+  name, _, config = spec.partition(":")
+  if not name:
+    raise ValueError(
+        "data source 'hf:' needs a dataset name, e.g. 'hf:wikitext:wikitext-2-raw-v1'")
+  try:
+    import datasets  # Lazy: importing datasets is slow and reads HF_* variables.
+  except ImportError as e:
+    raise ValueError(f"data source 'hf:{spec}' needs the 'datasets' package ({e})") from e
+  try:
+    dataset = datasets.load_dataset(name, config or None, split="train")
+  except Exception as e:  # pylint: disable=broad-except
+    if _looks_offline(e):
+      raise ValueError(_hub_offline_message(name, f"{type(e).__name__}: {e}")) from e
+    raise ValueError(
+        f"could not load hub dataset 'hf:{spec}': {type(e).__name__}: {e}") from e
+  if text_field not in dataset.column_names:
+    raise ValueError(
+        f"hub dataset 'hf:{spec}' has no column {text_field!r}; its columns are "
+        f"{dataset.column_names}; set data.text_field")
+  return _hub_records(name, dataset, text_field, skipped)
+
+
+def _hub_records(name: str, dataset, text_field: str,
+                 skipped: collections.Counter) -> Iterator[tuple[str, str]]:
+  for index, text in enumerate(dataset[text_field]):
+    if not isinstance(text, str) or _is_blank(text):
+      skipped["empty"] += 1
+      continue
+    yield f"hf:{name}#{index}", text
+
+
+def _looks_offline(error: BaseException) -> bool:
+  """Whether a ``load_dataset`` failure is due to no network / offline mode."""
+  if any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+         for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+    return True
+  markers = ("offline", "connection", "network", "name resolution", "timed out", "timeout",
+             "couldn't reach", "could not reach", "unreachable", "max retries")
+  chain: BaseException | None = error
+  while chain is not None:
+    if isinstance(chain, (ConnectionError, TimeoutError)):
+      return True
+    text = f"{type(chain).__name__} {chain}".lower()
+    if any(m in text for m in markers):
+      return True
+    chain = chain.__cause__ or chain.__context__
+  return False
