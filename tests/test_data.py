@@ -358,7 +358,7 @@ def test_rows_have_exact_length_and_consistent_segments():
 
 def test_epoch_concatenates_to_shuffled_documents_plus_eos():
   docs = synthetic_documents()
-  pipeline = make_pipeline(docs, seed=7)
+  pipeline = make_pipeline(docs, seed=7, shuffle_rows=False)  # stream order (rows: see below)
   train_ids = pipeline.train_document_indices
   for epoch in (0, 1):
     order = np.random.default_rng([7, epoch]).permutation(len(train_ids))
@@ -375,7 +375,7 @@ def test_epoch_concatenates_to_shuffled_documents_plus_eos():
 
 
 def test_epochs_differ_and_batches_never_mix_epochs():
-  pipeline = make_pipeline()
+  pipeline = make_pipeline(shuffle_rows=False)
   first = pipeline.epoch_rows(0)["tokens"].copy()
   second = pipeline.epoch_rows(1)["tokens"]
   assert not np.array_equal(first, second)
@@ -526,3 +526,18 @@ def test_from_config_and_tokenize_cache(tokenizer, small_corpus, tmp_path):
     np.testing.assert_array_equal(a, b)
   assert sum(map(len, direct)) + 40 == (pipeline.stats["train_tokens"]
                                         + pipeline.stats["eval_tokens"])
+
+
+def test_rows_are_served_shuffled_once_per_epoch():
+  """Each packed row of an epoch is served exactly once, not in stream order (a long document
+  must not fill consecutive batches); shuffle_rows=False serves the stream in order."""
+  pipeline = make_pipeline(global_batch=4)
+  rows = pipeline.epoch_rows(0)
+  served = np.concatenate([pipeline.next_batch()["tokens"] for _ in range(pipeline.batches_per_epoch)])
+  index = {row.tobytes(): i for i, row in enumerate(rows["tokens"])}
+  order = [index[row.tobytes()] for row in served]
+  assert len(set(order)) == len(order)
+  assert order != sorted(order)
+  ordered = make_pipeline(global_batch=4, shuffle_rows=False)
+  first = ordered.next_batch()["tokens"]
+  np.testing.assert_array_equal(first, ordered.epoch_rows(0)["tokens"][:4])

@@ -21,7 +21,7 @@ of the next token at the last fed position.
 import argparse
 import functools
 import sys
-from typing import Any, Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -297,7 +297,8 @@ def run(args: argparse.Namespace) -> list[str]:
   g = config.generate
   pick = lambda value, default: default if value is None else value
   max_new = pick(args.max_new_tokens, g.max_new_tokens)
-  temperature, top_k, top_p = pick(args.temperature, g.temperature), pick(args.top_k, g.top_k), pick(args.top_p, g.top_p)
+  temperature = pick(args.temperature, g.temperature)
+  top_k, top_p = pick(args.top_k, g.top_k), pick(args.top_p, g.top_p)
   if temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0:
     raise UserError("need --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
   if args.num_samples < 1:

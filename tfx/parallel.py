@@ -90,12 +90,9 @@ def _fits(shape, spec: P, mesh: Mesh) -> P:
 
 def logical_to_sharding(abstract_tree, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
   """NamedShardings for a tree of (possibly LogicallyPartitioned) abstract values."""
-  specs = nn.get_partition_spec(abstract_tree)
-  mesh_specs = nn.logical_to_mesh(specs, rules)
-  shapes = jax.tree.map(lambda x: x.shape, nn.unbox(abstract_tree))
-  return jax.tree.map(
-      lambda shape, spec: NamedSharding(mesh, _fits(shape, spec, mesh)),
-      shapes, mesh_specs, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x))
+  mesh_specs = nn.logical_to_mesh(nn.get_partition_spec(abstract_tree), rules)
+  return jax.tree.map(lambda spec, x: NamedSharding(mesh, _fits(x.shape, spec, mesh)),
+                      mesh_specs, nn.unbox(abstract_tree), is_leaf=lambda s: isinstance(s, P))
 
 
 @contextlib.contextmanager

@@ -179,6 +179,7 @@ def make_train_step(exp: Experiment, shardings):
     with parallel.context(exp.mesh):
       return jitted(state, batch)
 
+  run.jitted = jitted  # for tfx.bench: lower().compile() timing
   return run
 
 
@@ -280,6 +281,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
   step = int(jax.device_get(state.step))
   start_step = step
+  if step == 0 and t.eval_every:  # where the loss starts
+    initial = evaluate(exp, eval_step, state.params, eval_batches)
+    writer.write(0, "eval", initial)
+    progress.eval(0, initial["loss"], initial.get("accuracy", float("nan")))
   pending: list[dict] = []
   last_time, last_step = time.time(), step
   eval_record = None

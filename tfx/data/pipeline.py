@@ -208,6 +208,7 @@ class DataPipeline:
       eval_batches: int = 4,
       process_index: int = 0,
       process_count: int = 1,
+      shuffle_rows: bool = True,
   ):
     """Splits, and checks that the corpus can fill a batch.
 
@@ -222,6 +223,10 @@ class DataPipeline:
         eval_batches: number of eval batches wanted.
         process_index: this host.
         process_count: number of hosts; must divide ``global_batch``.
+        shuffle_rows: serve the packed rows of an epoch in a random order (from
+            ``(seed, epoch)``), so that one long document (a 700 kB module of the
+            standard library is ~230k tokens) does not fill many consecutive
+            batches. Objectives that need contiguous streams turn it off.
 
     Raises:
         ValueError: invalid arguments, fewer than 2 documents, or an epoch too
@@ -242,6 +247,7 @@ class DataPipeline:
     self.process_count = int(process_count)
     self.local_batch = self.global_batch // self.process_count
     self.num_eval_batches = int(eval_batches)
+    self.shuffle_rows = bool(shuffle_rows)
 
     heldout = heldout_mask(num_documents, eval_fraction)
     if heldout.all():
@@ -283,6 +289,7 @@ class DataPipeline:
     self._row = 0
     self._cached_epoch: int | None = None
     self._cached_rows: Batch | None = None
+    self._cached_order: np.ndarray | None = None
 
   @classmethod
   def from_config(
@@ -336,6 +343,7 @@ class DataPipeline:
     if self._cached_epoch != epoch:
       self._cached_rows = None  # Free the old epoch before packing the next.
       self._cached_rows = self._pack_epoch(epoch)
+      self._cached_order = self.row_order(epoch)
       self._cached_epoch = epoch
     return self._cached_rows
 
@@ -343,6 +351,12 @@ class DataPipeline:
     """Train documents (indices into the train split) in epoch ``epoch``'s order."""
     rng = np.random.default_rng([self.seed, epoch])
     return rng.permutation(len(self._train_offsets) - 1)
+
+  def row_order(self, epoch: int) -> np.ndarray:
+    """The order in which the packed rows of epoch ``epoch`` are served."""
+    if not self.shuffle_rows:
+      return np.arange(self.rows_per_epoch)
+    return np.random.default_rng([self.seed, epoch, 1]).permutation(self.rows_per_epoch)
 
   def _pack_epoch(self, epoch: int) -> Batch:
     order = self.epoch_order(epoch)
@@ -366,7 +380,8 @@ class DataPipeline:
       self._row = 0
     rows = self.epoch_rows(self._epoch)
     lo = self._row + self.process_index * self.local_batch
-    batch = {k: np.array(rows[k][lo:lo + self.local_batch]) for k in BATCH_KEYS}
+    take = self._cached_order[lo:lo + self.local_batch]
+    batch = {k: np.array(rows[k][take]) for k in BATCH_KEYS}
     self._row += self.global_batch
     return batch
 

@@ -1,0 +1,92 @@
+"""tfx.bench: the train step timed on synthetic data, and the FLOPs formula against a hand count."""
+
+import json
+import os
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+from tfx import bench, flops
+from tfx.config import load_config
+from tfx.errors import UserError
+from tfx.models import build_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--config.model.num_layers=2", "--config.model.d_model=64", "--config.model.d_ff=128",
+        "--config.data.seq_len=32", "--config.data.vocab_size=512", "--config.train.batch_size=4"]
+
+
+def config(*overrides: str):
+  return load_config(os.path.join(ROOT, "configs", "base.py"), [*TINY, *overrides])
+
+
+@pytest.fixture(scope="module")
+def result():
+  return bench.benchmark(config(), steps=2, warmup=1)
+
+
+def test_benchmark_reports_throughput(result):
+  assert result["step_s"] > 0 and result["tokens_per_s"] > 0 and result["compile_s"] > 0
+  assert len(result["step_s_all"]) == 2
+  assert result["tokens_per_s"] == pytest.approx(4 * 32 / result["step_s"])
+  assert result["parameters"] > 0 and result["device_count"] == jax.device_count()
+  assert result["model_tflops_per_s"] > 0 and np.isfinite(result["loss"])
+  json.dumps(result)  # plain numbers and strings only
+
+
+def test_mfu_is_not_applicable_on_cpu(result):
+  assert jax.devices()[0].platform == "cpu"
+  assert result["mfu"] is None and result["peak_tflops_per_device"] is None
+  table = bench.format_table(result)
+  assert "MFU" in table and "n/a" in table and "TFLOP/s" in table
+
+
+def test_flops_per_token_matches_a_hand_count():
+  cfg = config("--config.model.num_layers=2", "--config.model.d_model=4", "--config.model.num_heads=2",
+               "--config.model.d_ff=8").model
+  model = build_model(cfg, vocab_size=10, max_length=3)
+  # Per layer: q, k, v, out 4 * 4*4 = 64; MLP in + out 2 * 4*8 = 64; output projection 4*10 = 40.
+  matmul = 2 * (64 + 64) + 40
+  assert flops.matmul_params(model.cfg) == matmul == 296
+  # 2 FLOPs per multiply-add; attention QK^T and PV: 2 * 2 * T * e per layer; backward = 2x forward.
+  assert flops.flops_per_token(model.cfg, 3) == 3 * (2 * matmul + 2 * 2 * 2 * 3 * 4) == 2064
+
+  # The same count read off the real parameters: every matmul kernel plus the tied embedding.
+  params = nn.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), **type(model).init_inputs(1, 3)))["params"])
+  kernels = [x for path, x in jax.tree_util.tree_leaves_with_path(params)
+             if jax.tree_util.keystr(path).endswith("['kernel']")]
+  assert sum(int(np.prod(k.shape)) for k in kernels) + 10 * 4 == matmul
+
+
+def test_gated_mlp_counts_two_input_projections():
+  cfg = config("--config.model.d_model=4", "--config.model.num_heads=2", "--config.model.d_ff=8",
+               "--config.model.mlp=swiglu").model
+  model = build_model(cfg, vocab_size=10, max_length=3)
+  assert flops.matmul_params(model.cfg) == 2 * (64 + 3 * 32) + 40
+
+
+def test_synthetic_data_needs_no_tokenizer():
+  ids = bench.synthetic_ids(512)
+  assert (ids.pad, ids.eos, ids.unk, ids.bos, ids.mask, ids.cls, ids.sep) == tuple(range(7))
+  assert len(ids.sentinels) == 100 and ids.sentinels[0] == 511 and min(ids.sentinels) == 412
+  b = bench.synthetic_batch(3, 8, 512)
+  assert {k: v.shape for k, v in b.items()} == {k: (3, 8) for k in ("tokens", "segment_ids", "positions")}
+  assert b["tokens"].min() >= 7 and b["tokens"].max() < 412
+  assert (b["segment_ids"] == 1).all() and (b["positions"][1] == np.arange(8)).all()
+
+
+def test_invalid_config_is_rejected_before_compiling():
+  with pytest.raises(UserError, match="num_heads"):
+    bench.benchmark(config("--config.model.num_heads=5"), steps=1, warmup=0)
+
+
+def test_cli_writes_json(tmp_path, capsys):
+  path = tmp_path / "bench.json"
+  bench.main(["--config", os.path.join(ROOT, "configs", "base.py"), *TINY, "--steps", "1", "--warmup", "0",
+              "--json", str(path)])
+  out = json.loads(path.read_text())
+  assert out["step_s"] > 0 and out["mfu"] is None
+  assert out["mesh"] == {"data": jax.device_count(), "fsdp": 1, "tensor": 1}
+  assert "tokens/s" in capsys.readouterr().out

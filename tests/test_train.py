@@ -1,0 +1,117 @@
+"""The loop end to end: files a run writes, exact resume, gradient accumulation, bad workdirs."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT, tiny_config
+from tfx import train
+from tfx.checkpoint import CheckpointError
+from tfx.metrics import read_metrics
+
+TIMING = ("tokens_per_sec", "mfu")
+
+
+def quick(tokenizer, *overrides):
+  return tiny_config(f"--config.data.tokenizer={tokenizer}", "--config.data.max_documents=60",
+                     "--config.train.steps=8", "--config.train.log_every=1", "--config.train.eval_every=4",
+                     "--config.train.checkpoint_every=4", "--config.model.dropout=0.1", *overrides)
+
+
+def params_of(result):
+  return jax.tree.map(np.asarray, jax.device_get(result["state"].params))
+
+
+def without_timing(records):
+  return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+
+
+@pytest.mark.slow
+def test_train_cli_end_to_end(tmp_path):
+  """`python -m tfx.train` on the real corpus: files written, eval loss falls."""
+  workdir = tmp_path / "run"
+  proc = subprocess.run(
+      [sys.executable, "-m", "tfx.train", "--config", os.path.join(ROOT, "configs", "tiny.py"), "--workdir", str(workdir),
+       "--config.train.steps=40", "--config.train.eval_every=10", "--config.train.checkpoint_every=20"],
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert "eval loss" in proc.stdout and "tok/s" in proc.stdout
+  config = json.loads((workdir / "config.json").read_text())
+  assert config["train"]["steps"] == 40 and config["model"]["family"] == "decoder"
+  assert (workdir / "tokenizer.model").exists()
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["20", "40"]
+  records = read_metrics(str(workdir))
+  for r in records:
+    assert {"step", "split", "loss", "accuracy"} <= set(r)
+    if r["split"] == "train":
+      assert {"learning_rate", "tokens_per_sec", "mfu"} <= set(r)
+  evals = [r["loss"] for r in records if r["split"] == "eval"]
+  assert len(evals) == 4
+  assert evals[-1] < evals[0] - 0.5, evals
+
+
+def test_exact_resume(tmp_path, shared_tokenizer):
+  """Stopping after a checkpoint and resuming gives the same metrics and the same parameters,
+  bitwise, as an uninterrupted run (dropout on, so the PRNG state matters too)."""
+  full = train.run(quick(shared_tokenizer), str(tmp_path / "full"))
+  part = tmp_path / "part"
+  first = train.run(quick(shared_tokenizer, "--config.train.stop_after=4"), str(part))
+  assert first["step"] == 4
+  resumed = train.run(quick(shared_tokenizer), str(part))
+  assert resumed["step"] == 8
+  assert without_timing(read_metrics(str(part))) == without_timing(read_metrics(str(tmp_path / "full")))
+  a, b = params_of(full), params_of(resumed)
+  jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def test_resume_after_crash_between_checkpoints(tmp_path, shared_tokenizer):
+  """A run that died after step 6 (checkpoint at 4) resumes at 4 and drops the orphan records."""
+  workdir = str(tmp_path / "run")
+  train.run(quick(shared_tokenizer, "--config.train.stop_after=4"), workdir)
+  with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:  # records a crashed run left behind
+    f.write(json.dumps({"step": 5, "split": "train", "loss": 123.0}) + "\n")
+  train.run(quick(shared_tokenizer), workdir)
+  steps = [r["step"] for r in read_metrics(workdir) if r["split"] == "train"]
+  assert steps == list(range(1, 9))
+
+
+def test_gradient_accumulation_matches_one_batch(tmp_path, shared_tokenizer):
+  """grad_accum=2 computes the same update as the whole batch at once (dropout off)."""
+  one = train.run(quick(shared_tokenizer, "--config.model.dropout=0", "--config.train.steps=3"), str(tmp_path / "a"))
+  two = train.run(quick(shared_tokenizer, "--config.model.dropout=0", "--config.train.steps=3",
+                        "--config.train.grad_accum=2"), str(tmp_path / "b"))
+  la = [r["loss"] for r in read_metrics(str(tmp_path / "a")) if r["split"] == "train"]
+  lb = [r["loss"] for r in read_metrics(str(tmp_path / "b")) if r["split"] == "train"]
+  np.testing.assert_allclose(la, lb, rtol=1e-5)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6), params_of(one), params_of(two))
+
+
+def test_corrupt_checkpoint_message(tmp_path, shared_tokenizer):
+  workdir = tmp_path / "run"
+  train.run(quick(shared_tokenizer, "--config.train.stop_after=4"), str(workdir))
+  state_dir = workdir / "checkpoints" / "4" / "state"
+  for root, _, files in os.walk(state_dir):
+    for name in files:
+      with open(os.path.join(root, name), "wb") as f:
+        f.write(b"garbage")
+  with pytest.raises(CheckpointError, match=r"checkpoints/4 could not be restored.*delete that directory"):
+    train.run(quick(shared_tokenizer), str(workdir))
+
+
+def test_cli_reports_bad_config_without_traceback(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "tfx.train", "--config", os.path.join(ROOT, "configs", "tiny.py"), "--workdir",
+       str(tmp_path), "--config.model.num_heads=5"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 1
+  assert "num_heads=5 does not divide" in proc.stderr and "Traceback" not in proc.stderr
+  proc = subprocess.run(
+      [sys.executable, "-m", "tfx.train", "--config", os.path.join(ROOT, "configs", "tiny.py"), "--workdir",
+       str(tmp_path), f"--config.data.source=text:{tmp_path}/nothing/*.txt"],
+      cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 1 and "nothing/*.txt" in proc.stderr and "Traceback" not in proc.stderr
