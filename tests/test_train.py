@@ -52,8 +52,8 @@ def test_train_cli_end_to_end(tmp_path):
     if r["split"] == "train":
       assert {"learning_rate", "tokens_per_sec", "mfu"} <= set(r)
   evals = [r["loss"] for r in records if r["split"] == "eval"]
-  assert len(evals) == 4
-  assert evals[-1] < evals[0] - 0.5, evals
+  assert [r["step"] for r in records if r["split"] == "eval"] == [0, 10, 20, 30, 40]
+  assert evals[-1] < evals[0] - 1.0, evals
 
 
 def test_exact_resume(tmp_path, shared_tokenizer):
