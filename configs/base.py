@@ -15,10 +15,13 @@ def get_config() -> ml_collections.ConfigDict:
 
   # ---------------------------------------------------------------- model
   c.model = ml_collections.ConfigDict()
-  # Registered model family: 'decoder' (GPT). More families register themselves by name.
+  # Registered model family: 'decoder' (GPT), 'encoder' (BERT/RoBERTa) or 'encoder_decoder'
+  # (T5, Vaswani). More families register themselves by name.
   c.model.family = "decoder"
-  # Number of transformer blocks.
+  # Number of transformer blocks (of the encoder, for encoder_decoder).
   c.model.num_layers = 4
+  # Decoder blocks of an encoder_decoder model (0 = the same as num_layers).
+  c.model.num_decoder_layers = 0
   # Width of the residual stream.
   c.model.d_model = 256
   # Attention heads; must divide d_model. head_dim = d_model // num_heads.
@@ -26,15 +29,33 @@ def get_config() -> ml_collections.ConfigDict:
   # Hidden width of the MLP (for gated MLPs, of each of the two input projections).
   c.model.d_ff = 1024
   # Position information: 'learned' (absolute table of data.seq_len rows), 'sinusoidal'
-  # (fixed absolute), or 'rotary' (RoPE on queries and keys).
+  # (fixed absolute), 'rotary' (RoPE on queries and keys), or 'relative' (T5 bucketed
+  # relative-position bias, one table per stack shared by its layers).
   c.model.position = "learned"
   # Base of the rotary frequencies (used when position == 'rotary').
   c.model.rope_base = 10000.0
+  # T5 relative positions: number of buckets and the distance where the last bucket starts.
+  c.model.relative_buckets = 32
+  c.model.relative_max_distance = 128
+  # Token-type (segment A/B) embeddings, BERT: 2; 0 = none.
+  c.model.type_vocab_size = 0
+  # LayerNorm on the summed embeddings (BERT, RoBERTa).
+  c.model.embed_norm = False
+  # Multiply token embeddings by sqrt(d_model) (original Transformer).
+  c.model.embed_scale = False
+  # Scale attention scores by 1/sqrt(head_dim); T5 folds the scale into its initialisation (False).
+  c.model.scale_attention = True
+  # With tied embeddings, scale the final hidden state by d_model**-0.5 before the output
+  # projection (T5 v1.0, Mesh TensorFlow).
+  c.model.scale_tied_logits = False
   # Layer norm placement: 'pre' (GPT-2, T5) or 'post' (original Transformer, BERT).
   c.model.norm = "pre"
   # Normalisation layer: 'layernorm' or 'rmsnorm'.
   c.model.norm_type = "layernorm"
-  # MLP: 'gelu' (dense-gelu-dense), 'relu', 'geglu' or 'swiglu' (gated).
+  # Epsilon of the norms (GPT-2 1e-5, BERT 1e-12, T5 1e-6).
+  c.model.norm_eps = 1e-6
+  # MLP: 'gelu' (dense-gelu-dense, tanh approximation as GPT-2), 'gelu_exact' (erf, BERT),
+  # 'relu', 'geglu' or 'swiglu' (gated; T5 v1.1 uses geglu).
   c.model.mlp = "gelu"
   # Biases on the dense layers.
   c.model.use_bias = True

@@ -140,7 +140,7 @@ def from_json(text: str) -> ml_collections.ConfigDict:
 _CHOICES = {
     "model.norm": ("pre", "post"),
     "model.norm_type": ("layernorm", "rmsnorm"),
-    "model.mlp": ("gelu", "relu", "geglu", "swiglu"),
+    "model.mlp": ("gelu", "gelu_exact", "relu", "geglu", "swiglu"),
     "model.dtype": ("float32", "bfloat16"),
     "model.attention": ("auto", "xla", "cudnn", "reference"),
 }
@@ -209,6 +209,11 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int, process_cou
         f"pick heads that divide it (e.g. {', '.join(str(h) for h in _divisors(m.d_model)[:6])})")
   elif m.num_heads > 0 and m.position == "rotary" and (m.d_model // m.num_heads) % 2:
     problems.append(f"rotary positions need an even head dim; d_model/num_heads = {m.d_model // m.num_heads}")
+  if m.position == "relative" and m.family == "decoder":
+    problems.append("model.position='relative' (T5 buckets) is implemented for the encoder and encoder_decoder "
+                    "families; use 'rotary' or 'learned' for the decoder")
+  if m.position == "relative" and (m.relative_buckets < 4 or m.relative_max_distance < m.relative_buckets // 2):
+    problems.append("model.relative_buckets must be >= 4 and model.relative_max_distance >= relative_buckets / 2")
   if m.position == "sinusoidal" and m.d_model % 2:
     problems.append(f"sinusoidal positions need an even model.d_model (got {m.d_model})")
   if not 0.0 <= m.dropout < 1.0:

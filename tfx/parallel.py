@@ -36,6 +36,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("kv", None),
     ("mlp", "tensor"),
     ("position", None),
+    ("relpos", None),
+    ("token_type", None),
     ("norm", None),
     ("layers", None),
 )

@@ -1,7 +1,8 @@
 """Model families, registered by name in tfx.registry.FAMILIES."""
 
 from tfx.models.base import POSITIONS, Family
-from tfx.models import decoder  # noqa: F401  (registers 'decoder')
+from tfx.models import decoder, encoder, encoder_decoder  # noqa: F401  (register the families)
+from tfx.models.encoder import ClassifierHead
 
 
 def build_model(model_cfg, *, vocab_size: int, max_length: int) -> Family:

@@ -3,7 +3,7 @@
 import flax.linen as nn
 from tfx import ops
 from tfx.models.base import Family
-from tfx.nn import Embed, Stack, constrain, make_norm
+from tfx.nn import Embed, Stack, make_norm
 from tfx.registry import FAMILIES
 
 
@@ -24,16 +24,10 @@ class Decoder(Family):
   def __call__(self, tokens, segment_ids, positions, *, train: bool = False, decode: bool = False, mask=None):
     cfg = self.cfg
     embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=cfg.compute_dtype, name="token_embed")
-    x = embed(tokens)  # [b, t, e]
-    x = x + self.absolute_positions(positions)
-    # Zero unless a 'perturbations' collection is passed: lets tests take gradients with
-    # respect to the input embeddings (information-flow checks).
-    x = self.perturb("embeddings", x)
-    x = constrain(x, ("act_batch", "act_length", "act_embed"))
-    x = nn.Dropout(cfg.dropout)(x, deterministic=not train)
+    x = self.embed_inputs(embed, tokens, positions, train=train)  # [b, t, e]
     if mask is None and not decode:
       mask = ops.decoder_mask(segment_ids)  # [b, 1, t, t]
-    x = Stack(cfg, deterministic=not train, decode=decode, name="decoder")(x, mask, positions, segment_ids)
+    x = Stack(cfg, cfg.num_layers, deterministic=not train, decode=decode, name="decoder")(x, mask, positions, segment_ids)
     if cfg.norm == "pre":
       x = make_norm(cfg, "final_norm")(x)
     return self.lm_head(embed, x)

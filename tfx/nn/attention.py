@@ -64,11 +64,12 @@ class Attention(nn.Module):
     if self.decode:
       k, v, mask = self._update_cache(k, v, q_segment_ids)
 
+    scale = d**-0.5 if cfg.scale_attention else 1.0
     dropout = cfg.attention_dropout if not self.deterministic else 0.0
     if dropout > 0.0:
-      out = _reference_with_dropout(q, k, v, mask, bias, dropout, self.make_rng("dropout"))
+      out = _reference_with_dropout(q, k, v, mask, bias, scale, dropout, self.make_rng("dropout"))
     else:
-      out = ops.dot_product_attention(q, k, v, mask=mask, bias=bias, implementation=cfg.attention)
+      out = ops.dot_product_attention(q, k, v, mask=mask, bias=bias, scale=scale, implementation=cfg.attention)
     out = constrain(out, ("act_batch", "act_length", "act_heads", "act_kv"))  # [b, t, h, d]
     return DenseGeneral(
         (h, d), (e,), ("heads", "kv", "embed"),
@@ -97,10 +98,9 @@ class Attention(nn.Module):
     return cached_k.value, cached_v.value, mask
 
 
-def _reference_with_dropout(q, k, v, mask, bias, rate, rng):
+def _reference_with_dropout(q, k, v, mask, bias, scale, rate, rng):
   """Einsum attention with dropout on the probabilities (the fused kernels have none)."""
-  b, t, h, d = q.shape
-  scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) * d**-0.5
+  scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) * scale
   if bias is not None:
     scores = scores + bias
   if mask is not None:
@@ -113,3 +113,28 @@ def _reference_with_dropout(q, k, v, mask, bias, rate, rng):
     ok = jnp.moveaxis(ops.rows_attend(mask), 1, 2)[..., None]
     out = jnp.where(ok, out, jnp.zeros((), out.dtype))
   return out
+
+
+class RelativePositionBias(nn.Module):
+  """T5 relative-position bias: a learned scalar per (bucket, head), added to the scores.
+
+  One instance per stack; its output is passed to every layer of the stack.
+  """
+
+  cfg: ModelConfig
+  bidirectional: bool = True
+
+  @nn.compact
+  def __call__(self, q_positions: jax.Array, k_positions: jax.Array) -> jax.Array:
+    """q_positions [b, t], k_positions [b, s] int -> bias [b, h, t, s] float32."""
+    cfg = self.cfg
+    table = self.param(
+        "embedding",
+        nn.with_logical_partitioning(nn.initializers.normal(stddev=cfg.init_std), ("relpos", "heads")),
+        (cfg.relative_buckets, cfg.num_heads),
+        jnp.float32,
+    )
+    relative = k_positions[:, None, :] - q_positions[:, :, None]  # [b, t, s]
+    buckets = ops.t5_relative_buckets(relative, bidirectional=self.bidirectional, num_buckets=cfg.relative_buckets,
+                                      max_distance=cfg.relative_max_distance)
+    return jnp.moveaxis(jnp.take(table, buckets, axis=0), -1, 1)  # [b, h, t, s]

@@ -22,32 +22,38 @@ REMAT_NAMES = ("none",) + tuple(REMAT_POLICIES)
 
 
 class Block(nn.Module):
-  """One transformer layer.
+  """One transformer layer: self-attention, optional cross-attention, MLP.
 
-  `__call__(x, mask, positions, segment_ids) -> (x, None)` so that it can be scanned.
-  x: [b, t, e]; mask: [b, 1|h, t, t] bool; positions, segment_ids: [b, t] int.
+  `__call__(x, mask, positions, segment_ids, bias, encoded, cross_mask) -> (x, None)`, so it
+  can be scanned. x: [b, t, e]; mask: [b, 1|h, t, t] bool; positions, segment_ids: [b, t]
+  int; bias: optional [b|1, h, t, t] added to the self-attention scores (T5 relative
+  positions); encoded: [b, s, e] encoder output and cross_mask [b, 1, t, s] when `cross`.
   """
 
   cfg: ModelConfig
   deterministic: bool = True
   decode: bool = False
+  cross: bool = False
 
   @nn.compact
-  def __call__(self, x, mask, positions, segment_ids):
+  def __call__(self, x, mask, positions, segment_ids, bias=None, encoded=None, cross_mask=None):
     cfg = self.cfg
     drop = lambda y: nn.Dropout(cfg.dropout)(y, deterministic=self.deterministic)
     attn = Attention(cfg, self.deterministic, self.decode, use_rotary=cfg.position == "rotary", name="attention")
-    mlp = Mlp(cfg, self.deterministic, name="mlp")
-
-    def self_attention(y):
-      return attn(y, y, mask, q_positions=positions, kv_positions=positions, q_segment_ids=segment_ids)
-
-    if cfg.norm == "pre":
-      x = x + drop(self_attention(make_norm(cfg, "attention_norm")(x)))
-      x = x + drop(mlp(make_norm(cfg, "mlp_norm")(x)))
-    else:  # post-LN
-      x = make_norm(cfg, "attention_norm")(x + drop(self_attention(x)))
-      x = make_norm(cfg, "mlp_norm")(x + drop(mlp(x)))
+    sublayers = [lambda y: attn(y, y, mask, q_positions=positions, kv_positions=positions, q_segment_ids=segment_ids,
+                                bias=bias)]
+    names = ["attention_norm"]
+    if self.cross:
+      cross = Attention(cfg, self.deterministic, decode=False, name="cross_attention")
+      sublayers.append(lambda y: cross(y, encoded, cross_mask))
+      names.append("cross_attention_norm")
+    sublayers.append(Mlp(cfg, self.deterministic, name="mlp"))
+    names.append("mlp_norm")
+    for sublayer, name in zip(sublayers, names):
+      if cfg.norm == "pre":
+        x = x + drop(sublayer(make_norm(cfg, name)(x)))
+      else:  # post-LN
+        x = make_norm(cfg, name)(x + drop(sublayer(x)))
     x = constrain(x, ("act_batch", "act_length", "act_embed"))
     return x, None
 
@@ -56,31 +62,34 @@ class Stack(nn.Module):
   """`num_layers` blocks, scanned (stacked parameters with a `layers` axis) or unrolled.
 
   Attributes:
-    block: the block class (called as block(cfg, deterministic, decode)).
+    num_layers: blocks in this stack.
+    cross: blocks have cross-attention over an encoder output.
   """
 
   cfg: ModelConfig
-  block: type = Block
+  num_layers: int
   deterministic: bool = True
   decode: bool = False
+  cross: bool = False
 
   @nn.compact
-  def __call__(self, x, mask, positions, segment_ids):
+  def __call__(self, x, mask, positions, segment_ids, bias=None, encoded=None, cross_mask=None):
     cfg = self.cfg
-    block = self.block
+    block = Block
     if cfg.remat != "none":
       block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+    args = (x, mask, positions, segment_ids, bias, encoded, cross_mask)
     if cfg.scan_layers:
       scanned = nn.scan(
           block,
           variable_axes={"params": 0, "cache": 0},
           split_rngs={"params": True, "dropout": True},
-          in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
-          length=cfg.num_layers,
+          in_axes=(nn.broadcast,) * 6,
+          length=self.num_layers,
           metadata_params={nn.PARTITION_NAME: "layers"},
       )
-      x, _ = scanned(cfg, self.deterministic, self.decode, name="layers")(x, mask, positions, segment_ids)
+      x, _ = scanned(cfg, self.deterministic, self.decode, self.cross, name="layers")(*args)
     else:
-      for i in range(cfg.num_layers):
-        x, _ = block(cfg, self.deterministic, self.decode, name=f"layer_{i}")(x, mask, positions, segment_ids)
+      for i in range(self.num_layers):
+        x, _ = block(cfg, self.deterministic, self.decode, self.cross, name=f"layer_{i}")(x, *args[1:])
     return x

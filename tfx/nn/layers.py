@@ -28,8 +28,16 @@ class ModelConfig:
   d_model: int
   num_heads: int
   d_ff: int
+  num_decoder_layers: int = 0
   position: str = "learned"
   rope_base: float = 10000.0
+  relative_buckets: int = 32
+  relative_max_distance: int = 128
+  type_vocab_size: int = 0
+  embed_norm: bool = False
+  embed_scale: bool = False
+  scale_attention: bool = True
+  scale_tied_logits: bool = False
   norm: str = "pre"
   norm_type: str = "layernorm"
   mlp: str = "gelu"
@@ -47,6 +55,10 @@ class ModelConfig:
   @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
+
+  @property
+  def decoder_layers(self) -> int:
+    return self.num_decoder_layers or self.num_layers
 
   @property
   def compute_dtype(self) -> Dtype:
@@ -165,11 +177,18 @@ def make_norm(cfg: ModelConfig, name: str | None = None) -> Norm:
 
 _ACTIVATIONS = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False),
     "relu": jax.nn.relu,
     "geglu": lambda x: jax.nn.gelu(x, approximate=True),
     "swiglu": jax.nn.silu,
 }
 GATED = ("geglu", "swiglu")
+MLP_KINDS = tuple(_ACTIVATIONS)
+
+
+def activation(kind: str):
+  """The elementwise activation of an MLP kind (the gate's, for gated kinds)."""
+  return _ACTIVATIONS[kind]
 
 
 class Mlp(nn.Module):

@@ -1,0 +1,71 @@
+"""The encoder-decoder family: T5 (v1.0 / v1.1) and the original Vaswani Transformer.
+
+T5 v1.1: `position=relative` (bucketed relative bias, one table per stack shared by its
+layers), `norm_type=rmsnorm`, `use_bias=False`, `mlp=geglu`, `scale_attention=False`,
+untied output. T5 v1.0: `mlp=relu`, tied output with `scale_tied_logits=True`.
+Vaswani: `position=sinusoidal`, `norm=post`, `embed_scale=True`.
+
+The token embedding is shared by the encoder, the decoder and (when tied) the output.
+Decoder blocks cross-attend to the encoder output with mask "same document, both real".
+"""
+
+import flax.linen as nn
+import jax
+
+from tfx import ops
+from tfx.models.base import Family
+from tfx.nn import Embed, Stack, make_norm
+from tfx.registry import FAMILIES
+
+
+@FAMILIES.register("encoder_decoder")
+class EncoderDecoder(Family):
+  """Sequence-to-sequence transformer.
+
+  `__call__(encoder_tokens, encoder_segment_ids, encoder_positions, decoder_tokens,
+  decoder_segment_ids, decoder_positions, *, train, decode, encoded)` -> logits [b, t, v].
+  All inputs [b, s] (encoder) / [b, t] (decoder) int; the decoder tokens are the targets
+  shifted right (teacher forcing). Without decoder inputs it returns the encoder output
+  [b, s, e]; passing `encoded` skips the encoder (generation: encode once, then decode step by
+  step with decode=True, the self-attention KV cache in the "cache" collection; decoding
+  starts at position 0 with no padding, which the relative bias relies on).
+  """
+
+  INPUTS = ("encoder_tokens", "encoder_segment_ids", "encoder_positions",
+            "decoder_tokens", "decoder_segment_ids", "decoder_positions")
+
+  @nn.compact
+  def __call__(self, encoder_tokens, encoder_segment_ids, encoder_positions, decoder_tokens=None,
+               decoder_segment_ids=None, decoder_positions=None, *, train: bool = False, decode: bool = False,
+               encoded=None):
+    cfg = self.cfg
+    embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=cfg.compute_dtype, name="token_embed")
+    if encoded is None:
+      encoded = self._encode(embed, encoder_tokens, encoder_segment_ids, encoder_positions, train)
+    if decoder_tokens is None:
+      return encoded
+    x = self.embed_inputs(embed, decoder_tokens, decoder_positions, train=train, prefix="decoder_")
+    if decode:
+      mask = None  # built from the KV cache
+      k_positions = jax.numpy.broadcast_to(jax.numpy.arange(cfg.max_length), (x.shape[0], cfg.max_length))
+    else:
+      mask = ops.decoder_mask(decoder_segment_ids)  # [b, 1, t, t]
+      k_positions = decoder_positions
+    bias = self.relative_bias(decoder_positions, k_positions, bidirectional=False, name="decoder_relative_bias")
+    cross_mask = ops.segment_mask(decoder_segment_ids, encoder_segment_ids)  # [b, 1, t, s]
+    x = Stack(cfg, cfg.decoder_layers, deterministic=not train, decode=decode, cross=True, name="decoder")(
+        x, mask, decoder_positions, decoder_segment_ids, bias, encoded, cross_mask)
+    if cfg.norm == "pre":
+      x = make_norm(cfg, "decoder_final_norm")(x)
+    x = nn.Dropout(cfg.dropout)(x, deterministic=not train)
+    return self.lm_head(embed, x)
+
+  def _encode(self, embed, tokens, segment_ids, positions, train):
+    cfg = self.cfg
+    x = self.embed_inputs(embed, tokens, positions, train=train, prefix="encoder_")
+    bias = self.relative_bias(positions, positions, bidirectional=True, name="encoder_relative_bias")
+    x = Stack(cfg, cfg.num_layers, deterministic=not train, name="encoder")(
+        x, ops.segment_mask(segment_ids), positions, segment_ids, bias)
+    if cfg.norm == "pre":
+      x = make_norm(cfg, "encoder_final_norm")(x)
+    return nn.Dropout(cfg.dropout)(x, deterministic=not train)
