@@ -243,6 +243,69 @@ def greedy_by_recomputation(model: nn.Module, params: Params, prompt: jax.Array,
   return jnp.stack(out, axis=1)
 
 
+# ============================================================================ encoder-decoder
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "temperature", "top_k", "top_p",
+                                             "start_id", "eos_id", "pad_id"))
+def generate_seq2seq(model: nn.Module, params: Params, encoder_tokens: jax.Array, encoder_segment_ids: jax.Array,
+                     rng: jax.Array, *, max_new_tokens: int, start_id: int, temperature: float = 0.0,
+                     top_k: int = 0, top_p: float = 1.0, eos_id: int | None = None,
+                     pad_id: int | None = None) -> jax.Array:
+  """Encoder-decoder generation: encode once, then decode with the self-attention KV cache.
+
+  Args:
+    model: an encoder_decoder family module.
+    params: its parameters.
+    encoder_tokens, encoder_segment_ids: [b, s] int32 (segment 0 = padding, anywhere).
+    rng: PRNG key (unused when greedy).
+    max_new_tokens: decoder tokens to generate, at most `model.cfg.max_length`.
+    start_id: the decoder's first input (T5: pad = 0, as in training's shift-right).
+    temperature, top_k, top_p, eos_id, pad_id: as for `generate`.
+  Returns:
+    [b, max_new_tokens] int32.
+  """
+  b = encoder_tokens.shape[0]
+  check_fits(model, 1, max_new_tokens)
+  pad_id = eos_id if pad_id is None else pad_id
+  encoder_positions = prompt_positions(encoder_segment_ids)
+  encoded = model.apply({"params": params}, encoder_tokens, encoder_segment_ids, encoder_positions)  # [b, s, e]
+  ones = jnp.ones((b, 1), jnp.int32)
+
+  def body(carry, i):
+    cache, token, finished = carry
+    logits, variables = model.apply(
+        {"params": params, "cache": cache}, None, encoder_segment_ids, None, token[:, None], ones, ones * i,
+        decode=True, encoded=encoded, mutable=["cache"])
+    new = sample_next(logits[:, -1], jax.random.fold_in(rng, i), temperature=temperature, top_k=top_k, top_p=top_p)
+    if eos_id is not None:
+      new = jnp.where(finished, pad_id, new)
+      finished = finished | (new == eos_id)
+    return (variables["cache"], new, finished), new
+
+  carry = (init_cache(model, b), jnp.full((b,), start_id, jnp.int32), jnp.zeros((b,), bool))
+  _, outputs = jax.lax.scan(body, carry, jnp.arange(max_new_tokens))  # [n, b]
+  return outputs.T
+
+
+def greedy_seq2seq_by_recomputation(model: nn.Module, params: Params, encoder_tokens: jax.Array,
+                                    encoder_segment_ids: jax.Array, n: int, *, start_id: int) -> jax.Array:
+  """Reference: greedy decoding running the whole model (no cache) at every step. [b, n] int32."""
+  b = encoder_tokens.shape[0]
+  enc_pos = prompt_positions(encoder_segment_ids)
+  forward = jax.jit(lambda d, ds: model.apply({"params": params}, encoder_tokens, encoder_segment_ids, enc_pos, d, ds,
+                                              prompt_positions(ds)))
+  dec = jnp.zeros((b, n), jnp.int32).at[:, 0].set(start_id)
+  seg = jnp.zeros((b, n), jnp.int32).at[:, 0].set(1)
+  out = []
+  for k in range(n):
+    new = jnp.argmax(forward(dec, seg)[:, k], axis=-1).astype(jnp.int32)
+    out.append(new)
+    if k + 1 < n:
+      dec, seg = dec.at[:, k + 1].set(new), seg.at[:, k + 1].set(1)
+  return jnp.stack(out, axis=1)
+
+
 def left_pad(rows: list[np.ndarray], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
   """Left-pads int rows to one length: (tokens [b, p], segment_ids [b, p], 0 on padding)."""
   p = max(len(r) for r in rows)
@@ -291,9 +354,9 @@ def run(args: argparse.Namespace) -> list[str]:
   from tfx.train import load_trained
 
   config, tokenizer, model, params = load_trained(args.workdir, step=args.step)
-  if config.model.family != "decoder":
-    raise UserError(f"tfx.generate supports model family 'decoder' for now; this run is a "
-                    f"{config.model.family!r} model (encoder-decoder generation is not implemented yet)")
+  if config.model.family not in ("decoder", "encoder_decoder"):
+    raise UserError(f"tfx.generate samples from decoder and encoder_decoder models; this run is a "
+                    f"{config.model.family!r} model")
   g = config.generate
   pick = lambda value, default: default if value is None else value
   max_new = pick(args.max_new_tokens, g.max_new_tokens)
@@ -303,6 +366,17 @@ def run(args: argparse.Namespace) -> list[str]:
     raise UserError("need --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
   if args.num_samples < 1:
     raise UserError("--num-samples must be at least 1")
+  if config.model.family == "encoder_decoder":
+    # The prompt goes to the encoder (ending with EOS, as span-corruption inputs do); the
+    # decoder starts from pad, as training's shift-right does.
+    ids = np.append(tokenizer.encode([args.prompt])[0], tokenizer.eos_id).astype(np.int32)
+    ids = ids[-model.cfg.max_length:]
+    enc = np.tile(ids, (args.num_samples, 1))
+    out = generate_seq2seq(model, params, jnp.asarray(enc), jnp.ones_like(jnp.asarray(enc)), jax.random.key(args.seed),
+                           max_new_tokens=min(max_new, model.cfg.max_length), start_id=tokenizer.pad_id or 0,
+                           temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                           eos_id=tokenizer.eos_id)
+    return [tokenizer.decode(cut_at_eos(row, tokenizer.eos_id)) for row in np.asarray(jax.device_get(out))]
   bos = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id  # as tfx.objectives.causal_lm
   ids = np.concatenate([[bos], tokenizer.encode([args.prompt])[0]]).astype(np.int32)
   if args.max_new_tokens is None and len(ids) <= model.cfg.max_length:
