@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: quickstart test test-fast install install-dev clean
+.PHONY: quickstart test test-fast test-parity install install-dev install-parity clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -18,20 +18,30 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PIP) install -q -e '.[dev]'
 	touch $@
 
+$(VENV)/.installed-parity: $(VENV)/.installed-dev
+	$(PIP) install -q -e '.[parity]'
+	touch $@
+
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
+install-parity: $(VENV)/.installed-parity
 
 # Trains configs/quickstart.py (a small decoder on the Python standard library's own source)
 # on the CPU, evaluates, samples, and prints where the run is.
 quickstart: install
 	$(PY) -m tfx.quickstart --workdir runs/quickstart
 
-# The whole suite on CPU; the sharding tests fake 8 devices themselves.
+# The whole suite on CPU; the sharding tests fake 8 devices themselves. The parity suite has
+# its own target (it needs torch).
 test: install-dev
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --ignore=tests/parity
+
+# Numerical parity with Hugging Face's PyTorch models (installs torch 2.13.0 and transformers).
+test-parity: install-parity
+	$(PY) -m pytest -q tests/parity
 
 test-fast: install-dev
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow" tests --ignore=tests/parity
 
 clean:
 	rm -rf runs .pytest_cache

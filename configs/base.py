@@ -80,10 +80,26 @@ def get_config() -> ml_collections.ConfigDict:
 
   # ---------------------------------------------------------------- objective
   c.objective = ml_collections.ConfigDict()
-  # Registered objective: 'causal_lm'. The objective decides inputs, targets and weights.
+  # Registered objective: 'causal_lm' and 'prefix_lm' (decoder), 'masked_lm' (encoder),
+  # 'span_corruption' (encoder_decoder). The objective decides inputs, targets and weights.
   c.objective.name = "causal_lm"
   # Weight of the z-loss (log^2 of the softmax normaliser), 0 = off (T5X uses 1e-4).
   c.objective.z_loss = 0.0
+  # masked_lm: probability that an eligible token (or word, with whole_word) is selected.
+  c.objective.mask_rate = 0.15
+  # masked_lm: share of the selected tokens replaced by <mask>.
+  c.objective.mask_token_rate = 0.8
+  # masked_lm: share replaced by a random ordinary token (the rest are kept as they are).
+  c.objective.random_token_rate = 0.1
+  # masked_lm: select whole words (sentencepiece word starts) instead of single pieces.
+  c.objective.whole_word = False
+  # span_corruption: share of the raw tokens that become noise.
+  c.objective.noise_density = 0.15
+  # span_corruption: mean length of a noise span (T5: 3; ByT5: 20).
+  c.objective.mean_span_length = 3.0
+  # span_corruption: encoder input length, 0 = data.seq_len (the raw row is then longer:
+  # 568 raw tokens give 512 inputs and 114 targets).
+  c.objective.inputs_length = 0
 
   # ---------------------------------------------------------------- data
   c.data = ml_collections.ConfigDict()

@@ -3,9 +3,12 @@
 Started by tests/test_sharding.py in its own process (the device count is fixed when JAX
 starts). Writes, per mesh, the train losses and the final parameters to OUT/<mesh>.npz.
 
-    python tests/mesh_worker.py OUT TOKENIZER "8,1,1" "2,4,1" ...
+    python tests/mesh_worker.py OUT TOKENIZER CONFIG OVERRIDES "8,1,1" "2,4,1" ...
+
+CONFIG is a file under configs/; OVERRIDES a JSON list of extra --config.k=v arguments.
 """
 
+import json
 import os
 import sys
 
@@ -21,21 +24,30 @@ from tfx.config import load_config  # noqa: E402
 from tfx.metrics import read_metrics  # noqa: E402
 
 
-def main(out: str, tokenizer: str, meshes: list[str]) -> None:
+def first_mlp_kernel(params):
+  """The first stacked MLP input kernel [layers, embed, mlp] of any family."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    name = jax.tree_util.keystr(path)
+    if "['mlp']['wi_0']['kernel']" in name and "['layers']" in name:
+      return leaf
+  raise KeyError("no scanned MLP kernel")
+
+
+def main(out: str, tokenizer: str, config_name: str, overrides: list[str], meshes: list[str]) -> None:
   assert jax.device_count() == 8, jax.devices()
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   for mesh in meshes:
     d, f, t = mesh.split(",")
-    config = load_config(os.path.join(root, "configs", "tiny.py"), [
+    config = load_config(os.path.join(root, "configs", config_name), [
         f"--config.mesh.data={d}", f"--config.mesh.fsdp={f}", f"--config.mesh.tensor={t}",
         f"--config.data.tokenizer={tokenizer}", "--config.train.steps=4", "--config.train.log_every=1",
         "--config.train.eval_every=0", "--config.train.checkpoint_every=0", "--config.model.dropout=0.1",
-        "--config.train.batch_size=16", "--config.data.max_documents=60"])
+        "--config.train.batch_size=16", "--config.data.max_documents=60", *overrides])
     workdir = os.path.join(out, "run_" + mesh.replace(",", "_"))
     result = train.run(config, workdir)
     state = result["state"]
     # Parameters really are sharded as the mesh says (not silently replicated).
-    kernel = state.params["decoder"]["layers"]["mlp"]["wi_0"]["kernel"]
+    kernel = first_mlp_kernel(state.params)
     shard_shape = kernel.sharding.shard_shape(kernel.shape)  # [layers, embed, mlp] on one device
     losses = [r["loss"] for r in read_metrics(workdir) if r["split"] == "train"]
     flat = {jax.tree_util.keystr(k): np.asarray(jax.device_get(v))
@@ -45,4 +57,4 @@ def main(out: str, tokenizer: str, meshes: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1], sys.argv[2], sys.argv[3:])
+  main(sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), sys.argv[5:])

@@ -1,6 +1,7 @@
 """Mesh invariance: the same training on 8 fake CPU devices with different meshes gives the
 same losses and the same parameters (data, FSDP and tensor parallelism are layouts only)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -13,11 +14,21 @@ from tests.conftest import ROOT
 MESHES = ["8,1,1", "2,4,1", "2,2,2", "1,8,1"]
 
 
+ENCODER_MLM = ["--config.model.family=encoder", "--config.objective.name=masked_lm", "--config.model.norm=post",
+               "--config.model.embed_norm=true"]
+T5_SPANS = ["--config.model.family=encoder_decoder", "--config.objective.name=span_corruption",
+            "--config.model.position=relative", "--config.model.norm_type=rmsnorm", "--config.model.use_bias=false",
+            "--config.model.mlp=geglu", "--config.model.tie_embeddings=false"]
+
+
 @pytest.mark.slow
-def test_mesh_invariance(tmp_path, shared_tokenizer):
+@pytest.mark.parametrize("config_name, overrides", [("tiny.py", []), ("tiny.py", ENCODER_MLM), ("tiny.py", T5_SPANS)],
+                         ids=["decoder_clm", "encoder_mlm", "t5_spans"])
+def test_mesh_invariance(tmp_path, shared_tokenizer, config_name, overrides):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "mesh_worker.py"), str(tmp_path), shared_tokenizer,
-                         *MESHES], env=env, capture_output=True, text=True, timeout=900)
+                         config_name, json.dumps(overrides), *MESHES], env=env, capture_output=True, text=True,
+                        timeout=900)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
   runs = {m: dict(np.load(tmp_path / (m.replace(",", "_") + ".npz"))) for m in MESHES}
   ref = runs[MESHES[0]]

@@ -14,6 +14,7 @@ from tests.conftest import ROOT, tiny_config
 from tfx import train
 from tfx.checkpoint import CheckpointError
 from tfx.metrics import read_metrics
+from tests.test_sharding import ENCODER_MLM, T5_SPANS
 
 TIMING = ("tokens_per_sec", "mfu")
 
@@ -56,14 +57,31 @@ def test_train_cli_end_to_end(tmp_path):
   assert evals[-1] < evals[0] - 1.0, evals
 
 
-def test_exact_resume(tmp_path, shared_tokenizer):
+@pytest.mark.slow
+@pytest.mark.parametrize("config_name, extra", [("bert_tiny.py", []), ("roberta_tiny.py", []), ("t5_tiny.py", []),
+                                                ("tiny.py", ["--config.objective.name=prefix_lm"])])
+def test_every_family_and_objective_trains_end_to_end(tmp_path, config_name, extra):
+  """The tiny config of each family/objective trains through `python -m tfx.train` on the
+  standard-library corpus and its eval loss falls."""
+  workdir = tmp_path / "run"
+  proc = subprocess.run(
+      [sys.executable, "-m", "tfx.train", "--config", os.path.join(ROOT, "configs", config_name), "--workdir",
+       str(workdir), "--config.train.eval_every=30", *extra], cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  evals = [r["loss"] for r in read_metrics(str(workdir)) if r["split"] == "eval"]
+  assert len(evals) >= 2 and evals[-1] < evals[0] - 1.0, evals
+
+
+@pytest.mark.parametrize("overrides", [[], ENCODER_MLM, T5_SPANS], ids=["decoder_clm", "encoder_mlm", "t5_spans"])
+def test_exact_resume(tmp_path, shared_tokenizer, overrides):
   """Stopping after a checkpoint and resuming gives the same metrics and the same parameters,
-  bitwise, as an uninterrupted run (dropout on, so the PRNG state matters too)."""
-  full = train.run(quick(shared_tokenizer), str(tmp_path / "full"))
+  bitwise, as an uninterrupted run (dropout on, and MLM / span masks drawn from the step's key,
+  so the PRNG state matters too)."""
+  full = train.run(quick(shared_tokenizer, *overrides), str(tmp_path / "full"))
   part = tmp_path / "part"
-  first = train.run(quick(shared_tokenizer, "--config.train.stop_after=4"), str(part))
+  first = train.run(quick(shared_tokenizer, *overrides, "--config.train.stop_after=4"), str(part))
   assert first["step"] == 4
-  resumed = train.run(quick(shared_tokenizer), str(part))
+  resumed = train.run(quick(shared_tokenizer, *overrides), str(part))
   assert resumed["step"] == 8
   assert without_timing(read_metrics(str(part))) == without_timing(read_metrics(str(tmp_path / "full")))
   a, b = params_of(full), params_of(resumed)

@@ -88,6 +88,8 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> Experiment:
   except (ValueError, FileNotFoundError) as e:
     raise DataError(str(e)) from e
   objective = OBJECTIVES.get(config.objective.name).from_config(config.objective, SpecialIds.from_tokenizer(tokenizer))
+  if getattr(objective, "whole_word", False):
+    objective = objective.with_word_start(tuple(bool(b) for b in tokenizer.word_start_mask()))
   model = build_model(config.model, vocab_size=tokenizer.vocab_size, max_length=d.seq_len)
   pipeline = DataPipeline.from_config(
       d, tokenizer, corpus, row_length=objective.raw_length(d.seq_len), global_batch=config.train.batch_size,
