@@ -100,6 +100,23 @@ def get_config() -> ml_collections.ConfigDict:
   # span_corruption: encoder input length, 0 = data.seq_len (the raw row is then longer:
   # 568 raw tokens give 512 inputs and 114 targets).
   c.objective.inputs_length = 0
+  # permutation_lm: prediction slots per row, 0 = round(seq_len/6) (85 for 512), split
+  # ceil/floor over the two halves.
+  c.objective.num_predict = 0
+  # permutation_lm: block size of the local permutation, 0 = reuse_len; must divide both halves.
+  c.objective.perm_size = 0
+  # permutation_lm: length of the first half (next step's memory), 0 = seq_len // 2.
+  c.objective.reuse_len = 0
+  # permutation_lm: span context = mask_alpha * n / mask_beta around an n-token span (XLNet 6, 1).
+  c.objective.mask_alpha = 6.0
+  c.objective.mask_beta = 1.0
+  # permutation_lm: longest span; lengths n in 1..max_span with p proportional to 1/n.
+  c.objective.max_span = 5
+  # permutation_lm: 'span' (XLNet's span sampler) or 'last' (the last 1/K of each half's
+  # factorization order).
+  c.objective.target_mode = "span"
+  # permutation_lm: forward and reversed rows (not implemented yet; must stay False).
+  c.objective.bi_data = False
 
   # ---------------------------------------------------------------- data
   c.data = ml_collections.ConfigDict()

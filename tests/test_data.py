@@ -541,3 +541,19 @@ def test_rows_are_served_shuffled_once_per_epoch():
   ordered = make_pipeline(global_batch=4, shuffle_rows=False)
   first = ordered.next_batch()["tokens"]
   np.testing.assert_array_equal(first, ordered.epoch_rows(0)["tokens"][:4])
+
+
+def test_streams_continue_row_by_row():
+  """streams=True: row b of batch s+1 is the packed row that follows row b of batch s, and the
+  union of the epoch's batches is every row once."""
+  pipeline = make_pipeline(global_batch=4, streams=True)
+  rows = pipeline.epoch_rows(0)["tokens"]
+  index = {row.tobytes(): i for i, row in enumerate(rows)}
+  batches = [pipeline.next_batch()["tokens"] for _ in range(pipeline.batches_per_epoch)]
+  ids = np.array([[index[r.tobytes()] for r in b] for b in batches])  # [steps, rows]
+  assert np.all(np.diff(ids, axis=0) == 1)
+  assert len(set(ids.reshape(-1))) == ids.size
+  # Resume in the middle of the streams.
+  again = make_pipeline(global_batch=4, streams=True)
+  again.restore({"epoch": 0, "row": 8})
+  np.testing.assert_array_equal(again.next_batch()["tokens"], batches[2])

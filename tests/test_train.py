@@ -133,3 +133,50 @@ def test_cli_reports_bad_config_without_traceback(tmp_path):
        str(tmp_path), f"--config.data.source=text:{tmp_path}/nothing/*.txt"],
       cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 1 and "nothing/*.txt" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# A stateful objective: causal LM that also counts, per stream, the tokens it has predicted.
+# The count lives in the objective state, so a resume that lost it would change the metrics.
+import dataclasses  # noqa: E402
+
+import jax.numpy as jnp  # noqa: E402
+
+from tfx.objectives.causal_lm import CausalLM  # noqa: E402
+from tfx.registry import OBJECTIVES  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class CountingCausalLM(CausalLM):
+  stateful = True
+  contiguous_rows = True
+
+  def init_state(self, batch_size, model_cfg):
+    return {"seen": jnp.zeros((batch_size,), jnp.float32)}
+
+  def state_axes(self):
+    return {"seen": ("act_batch",)}
+
+  def loss(self, model, params, batch, rng, *, train, state=None):
+    loss, metrics = super().loss(model, params, batch, rng, train=train)
+    seen = jnp.zeros(batch["tokens"].shape[:1]) if state is None else state["seen"]
+    seen = seen + jnp.sum(batch["segment_ids"] > 0, axis=-1)
+    return loss, dict(metrics, seen_total=jnp.sum(seen), state={"seen": seen})
+
+
+if "counting_causal_lm_for_tests" not in OBJECTIVES:
+  OBJECTIVES.register("counting_causal_lm_for_tests")(CountingCausalLM)
+
+
+def test_objective_state_is_carried_and_resumed(tmp_path, shared_tokenizer):
+  overrides = ("--config.objective.name=counting_causal_lm_for_tests",)
+  full = train.run(quick(shared_tokenizer, *overrides), str(tmp_path / "full"))
+  seen = [r["seen_total"] for r in read_metrics(str(tmp_path / "full")) if r["split"] == "train"]
+  per_step = 8 * 64  # batch rows x row length, no padding in training rows
+  assert seen == [per_step * s for s in range(1, 9)]
+  assert float(jnp.sum(full["state"].objective_state["seen"])) == seen[-1]
+  part = str(tmp_path / "part")
+  train.run(quick(shared_tokenizer, *overrides, "--config.train.stop_after=4"), part)
+  train.run(quick(shared_tokenizer, *overrides), part)
+  assert without_timing(read_metrics(part)) == without_timing(read_metrics(str(tmp_path / "full")))
+  with pytest.raises(Exception, match="cannot accumulate"):
+    train.run(quick(shared_tokenizer, *overrides, "--config.train.grad_accum=2"), str(tmp_path / "bad"))

@@ -129,8 +129,8 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
   exp = build_experiment(config)
   seq_len, batch_size = config.data.seq_len, config.train.batch_size
   row_length = exp.objective.raw_length(seq_len)
-  abstract, shardings = state_shardings(exp.model, exp.tx, exp.mesh, seq_len)
-  state = init_state(exp.model, exp.tx, exp.mesh, seq_len, config.train.seed, shardings)
+  abstract, shardings = state_shardings(exp.model, exp.tx, exp.mesh, seq_len, exp.objective, batch_size)
+  state = init_state(exp.model, exp.tx, exp.mesh, seq_len, config.train.seed, shardings, exp.objective, batch_size)
   train_step = make_train_step(exp, shardings)
   local_rows = batch_size // jax.process_count()
   host = synthetic_batch(local_rows, row_length, exp.model.cfg.vocab_size, seed=config.train.seed + jax.process_index())

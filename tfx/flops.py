@@ -38,11 +38,19 @@ def device_peak_flops(device=None) -> float | None:
 
 
 def matmul_params(cfg) -> int:
-  """Parameters that take part in a matrix multiply per token (blocks + output projection)."""
+  """Parameters that take part in a matrix multiply per token (blocks + output projection).
+
+  For encoder_decoder models every position is counted as passing through both stacks (the
+  decoder's cross-attention included): exact when encoder and decoder lengths are equal, an
+  over-count for span corruption (114 decoder vs 512 encoder positions).
+  """
   e, f, l = cfg.d_model, cfg.d_ff, cfg.num_layers
   mlp_in = 2 if cfg.mlp in ("geglu", "swiglu") else 1
   per_layer = 4 * e * e + (mlp_in + 1) * e * f
-  return l * per_layer + e * cfg.vocab_size
+  total = l * per_layer + e * cfg.vocab_size
+  if getattr(cfg, "family", "") == "encoder_decoder":
+    total += cfg.decoder_layers * (per_layer + 4 * e * e)
+  return total
 
 
 def flops_per_token(cfg, seq_len: int) -> float:

@@ -44,6 +44,7 @@ class TrainState:
   params: Any
   opt_state: Any
   rng: jax.Array  # uint32 key data; the key of step s is fold_in(rng, s)
+  objective_state: Any = None  # state a stateful objective carries between steps (XLNet memory)
 
 
 # ============================================================================ set-up
@@ -93,7 +94,8 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> Experiment:
   model = build_model(config.model, vocab_size=tokenizer.vocab_size, max_length=d.seq_len)
   pipeline = DataPipeline.from_config(
       d, tokenizer, corpus, row_length=objective.raw_length(d.seq_len), global_batch=config.train.batch_size,
-      seed=config.train.seed, process_index=jax.process_index(), process_count=jax.process_count())
+      seed=config.train.seed, process_index=jax.process_index(), process_count=jax.process_count(),
+      streams=objective.contiguous_rows)
   tx, schedule = make_optimizer(config)
   return Experiment(config, workdir, tokenizer, objective, model, pipeline, parallel.make_mesh(config.mesh), tx, schedule)
 
@@ -101,30 +103,35 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> Experiment:
 # ============================================================================ state
 
 
-def _init_fn(model: nn.Module, tx: optax.GradientTransformation, seq_len: int):
-  """rng -> TrainState with boxed (logically partitioned) params."""
+def _init_fn(model: nn.Module, tx: optax.GradientTransformation, seq_len: int, objective=None, batch_size: int = 1):
+  """rng -> TrainState with boxed (logically partitioned) params and objective state."""
   inputs = type(model).init_inputs(1, seq_len)
 
   def init(rng):
     params_rng, state_rng = jax.random.split(rng)
     params = model.init({"params": params_rng, "dropout": params_rng}, **inputs)["params"]
+    objective_state = None
+    if objective is not None and objective.stateful:
+      objective_state = jax.tree.map(nn.LogicallyPartitioned, objective.init_state(batch_size, model.cfg),
+                                     objective.state_axes())
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                      rng=jax.random.key_data(state_rng))
+                      rng=jax.random.key_data(state_rng), objective_state=objective_state)
 
   return init
 
 
-def state_shardings(model: nn.Module, tx, mesh, seq_len: int):
+def state_shardings(model: nn.Module, tx, mesh, seq_len: int, objective=None, batch_size: int = 1):
   """(abstract unboxed state, NamedShardings) from the logical axis names, without computing."""
   with parallel.context(mesh):
-    boxed = jax.eval_shape(_init_fn(model, tx, seq_len), jax.random.key(0))
+    boxed = jax.eval_shape(_init_fn(model, tx, seq_len, objective, batch_size), jax.random.key(0))
   shardings = parallel.logical_to_sharding(boxed, mesh)
   return nn.unbox(boxed), shardings
 
 
-def init_state(model: nn.Module, tx, mesh, seq_len: int, seed: int, shardings) -> TrainState:
+def init_state(model: nn.Module, tx, mesh, seq_len: int, seed: int, shardings, objective=None,
+               batch_size: int = 1) -> TrainState:
   """The train state, created directly in its sharded layout (no host holds all of it)."""
-  init = _init_fn(model, tx, seq_len)
+  init = _init_fn(model, tx, seq_len, objective, batch_size)
   with parallel.context(mesh):
     return jax.jit(lambda r: nn.unbox(init(r)), out_shardings=shardings)(jax.random.key(seed))
 
@@ -132,14 +139,21 @@ def init_state(model: nn.Module, tx, mesh, seq_len: int, seed: int, shardings) -
 # ============================================================================ steps
 
 
-def _loss_and_grads(exp: Experiment, params, batch, rng):
-  """Mean loss and its gradient, accumulated exactly over `train.grad_accum` micro-batches."""
-  grad_fn = jax.value_and_grad(
-      lambda p, b, r: exp.objective.loss(exp.model, p, b, r, train=True), has_aux=True)
+def _loss_and_grads(exp: Experiment, params, batch, rng, objective_state=None):
+  """Mean loss and its gradient, accumulated exactly over `train.grad_accum` micro-batches.
+
+  Returns (metrics, grads, next objective state).
+  """
+  if exp.objective.stateful:
+    loss_fn = lambda p, b, r: exp.objective.loss(exp.model, p, b, r, train=True, state=objective_state)
+  else:
+    loss_fn = lambda p, b, r: exp.objective.loss(exp.model, p, b, r, train=True)
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   accum = exp.config.train.grad_accum
   if accum == 1:
     (_, metrics), grads = grad_fn(params, batch, rng)
-    return metrics, grads
+    metrics = dict(metrics)
+    return metrics, grads, metrics.pop("state", None)
 
   # Micro-batch a takes rows a, a + accum, ...: each device keeps its own rows.
   micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, accum, *x.shape[1:]), 0, 1), batch)
@@ -160,7 +174,7 @@ def _loss_and_grads(exp: Experiment, params, batch, rng):
   n = jnp.maximum(stats["num_tokens"], 1.0)
   grads = jax.tree.map(lambda g: g / n, grads_sum)
   metrics = {k: (v / n if k != "num_tokens" else v) for k, v in stats.items()}
-  return metrics, grads
+  return metrics, grads, None  # stateful objectives run without accumulation (see validate)
 
 
 def make_train_step(exp: Experiment, shardings):
@@ -168,11 +182,12 @@ def make_train_step(exp: Experiment, shardings):
 
   def step_fn(state: TrainState, batch):
     rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-    metrics, grads = _loss_and_grads(exp, state.params, batch, rng)
+    metrics, grads, objective_state = _loss_and_grads(exp, state.params, batch, rng, state.objective_state)
     updates, opt_state = exp.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = dict(metrics, grad_norm=optax.global_norm(grads), learning_rate=exp.schedule(state.step))
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                         objective_state=objective_state), metrics
 
   jitted = jax.jit(step_fn, in_shardings=(shardings, parallel.batch_sharding(exp.mesh)),
                    out_shardings=(shardings, parallel.replicated(exp.mesh)), donate_argnums=(0,))
@@ -187,8 +202,9 @@ def make_train_step(exp: Experiment, shardings):
 
 def make_eval_step(exp: Experiment, shardings):
   def eval_fn(params, batch):
-    _, metrics = exp.objective.loss(exp.model, params, batch, jax.random.key(0), train=False)
-    return metrics
+    extra = {"state": None} if exp.objective.stateful else {}  # eval starts from an empty state
+    _, metrics = exp.objective.loss(exp.model, params, batch, jax.random.key(0), train=False, **extra)
+    return {k: v for k, v in metrics.items() if k != "state"}
 
   jitted = jax.jit(eval_fn, in_shardings=(shardings.params, parallel.batch_sharding(exp.mesh)),
                    out_shardings=parallel.replicated(exp.mesh))
@@ -260,7 +276,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                 f"{stats.get('train_documents', '?')} train / {stats.get('eval_documents', '?')} eval documents, "
                 f"vocab {exp.tokenizer.vocab_size}, mesh {dict(exp.mesh.shape)}, workdir {workdir}")
 
-  abstract, shardings = state_shardings(exp.model, exp.tx, exp.mesh, config.data.seq_len)
+  abstract, shardings = state_shardings(exp.model, exp.tx, exp.mesh, config.data.seq_len, exp.objective,
+                                        t.batch_size)
   mngr = checkpoint.manager(workdir, keep=t.keep_checkpoints, async_save=t.async_checkpoint)
   latest = mngr.latest_step()
   if latest is not None:
@@ -269,7 +286,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     writer.truncate_after(latest)
     progress.note(f"resumed from {mngr.directory}/{latest}")
   else:
-    state = init_state(exp.model, exp.tx, exp.mesh, config.data.seq_len, t.seed, shardings)
+    state = init_state(exp.model, exp.tx, exp.mesh, config.data.seq_len, t.seed, shardings, exp.objective,
+                       t.batch_size)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
   progress.note(f"parameters: {n_params:,}")
 
@@ -348,7 +366,8 @@ def load_trained(workdir: str, step: int | None = None):
   with config.unlocked():
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
   mesh = parallel.make_mesh(config.mesh)
-  abstract, shardings = state_shardings(model, tx, mesh, config.data.seq_len)
+  objective = OBJECTIVES.get(config.objective.name).from_config(config.objective, SpecialIds.from_tokenizer(tokenizer))
+  abstract, shardings = state_shardings(model, tx, mesh, config.data.seq_len, objective, config.train.batch_size)
   mngr = checkpoint.manager(workdir, keep=config.train.keep_checkpoints, async_save=False)
   step = mngr.latest_step() if step is None else step
   if step is None:

@@ -209,6 +209,7 @@ class DataPipeline:
       process_index: int = 0,
       process_count: int = 1,
       shuffle_rows: bool = True,
+      streams: bool = False,
   ):
     """Splits, and checks that the corpus can fill a batch.
 
@@ -226,7 +227,11 @@ class DataPipeline:
         shuffle_rows: serve the packed rows of an epoch in a random order (from
             ``(seed, epoch)``), so that one long document (a 700 kB module of the
             standard library is ~230k tokens) does not fill many consecutive
-            batches. Objectives that need contiguous streams turn it off.
+            batches. Ignored with ``streams``.
+        streams: serve the epoch as ``global_batch`` contiguous text streams: row b
+            of every batch continues row b of the previous batch (XLNet's memory
+            needs this). Each stream is a contiguous stretch of the (document-
+            shuffled) epoch.
 
     Raises:
         ValueError: invalid arguments, fewer than 2 documents, or an epoch too
@@ -248,6 +253,7 @@ class DataPipeline:
     self.local_batch = self.global_batch // self.process_count
     self.num_eval_batches = int(eval_batches)
     self.shuffle_rows = bool(shuffle_rows)
+    self.streams = bool(streams)
 
     heldout = heldout_mask(num_documents, eval_fraction)
     if heldout.all():
@@ -304,6 +310,7 @@ class DataPipeline:
       process_index: int = 0,
       process_count: int = 1,
       cache_dir: str | None = None,
+      streams: bool = False,
   ) -> "DataPipeline":
     """Tokenizes a corpus and builds the pipeline from ``config.data``.
 
@@ -331,6 +338,7 @@ class DataPipeline:
         eval_batches=int(getattr(data_cfg, "eval_batches", 4)),
         process_index=process_index,
         process_count=process_count,
+        streams=streams,
     )
 
   # ------------------------------------------------------------------- train
@@ -354,6 +362,10 @@ class DataPipeline:
 
   def row_order(self, epoch: int) -> np.ndarray:
     """The order in which the packed rows of epoch ``epoch`` are served."""
+    if self.streams:
+      per_stream = self.rows_per_epoch // self.global_batch
+      order = np.arange(per_stream * self.global_batch).reshape(self.global_batch, per_stream)
+      return order.T.reshape(-1)  # batch s = row s of every stream
     if not self.shuffle_rows:
       return np.arange(self.rows_per_epoch)
     return np.random.default_rng([self.seed, epoch, 1]).permutation(self.rows_per_epoch)
@@ -375,7 +387,7 @@ class DataPipeline:
     Returns:
         ``tokens``, ``segment_ids``, ``positions``: ``int32 [local_batch, row_length]``.
     """
-    if self._row + self.global_batch > self.rows_per_epoch:
+    if self._row + self.global_batch > self.batches_per_epoch * self.global_batch:
       self._epoch += 1
       self._row = 0
     rows = self.epoch_rows(self._epoch)

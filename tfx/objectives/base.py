@@ -10,6 +10,12 @@ calls the model, and returns the mean loss over predicted tokens with named metr
 `batch` holds `tokens`, `segment_ids` (0 = padding) and `positions`, [b, raw_length] int32
 each. `metrics` always has `loss`, `accuracy` and `num_tokens` (number of predicted tokens,
 used to weight gradient accumulation exactly).
+
+Stateful objectives (XLNet's memory over contiguous streams) set `stateful = True`, return
+their initial state from `init_state` (global-batch shaped, with logical axis names from
+`state_axes`), take `state=` in `loss` and return the next state as `metrics["state"]`. The
+loop keeps it in the train state, shards it like activations and checkpoints it. They also set
+`contiguous_rows = True` so that row b of step s+1 continues row b of step s.
 """
 
 import dataclasses
@@ -50,6 +56,10 @@ class Objective:
 
   # Model families this objective can drive.
   families: ClassVar[tuple[str, ...]] = ()
+  # Carries state from step to step (see the module docstring).
+  stateful: ClassVar[bool] = False
+  # Needs each batch row to continue the same row of the previous batch (a text stream).
+  contiguous_rows: ClassVar[bool] = False
 
   @classmethod
   def from_config(cls, objective_cfg, ids: SpecialIds) -> "Objective":
@@ -66,7 +76,18 @@ class Objective:
       problems.append(
           f"objective {config.objective.name!r} cannot drive model family {config.model.family!r}; "
           f"it drives: {', '.join(cls.families)}. Change objective.name or model.family.")
+    if cls.stateful and config.train.grad_accum > 1:
+      problems.append(f"objective {config.objective.name!r} carries state between steps and cannot accumulate "
+                      "gradients over micro-batches; set train.grad_accum=1")
     return problems
+
+  def init_state(self, batch_size: int, model_cfg) -> Any:
+    """The initial objective state for a global batch of `batch_size` rows (None = stateless)."""
+    return None
+
+  def state_axes(self) -> Any:
+    """Logical axis names of each state array (a tree of tuples matching `init_state`)."""
+    return None
 
   def raw_length(self, seq_len: int) -> int:
     """Raw tokens a packed row must hold for model sequence length `seq_len`."""
