@@ -37,6 +37,14 @@ def get_config() -> ml_collections.ConfigDict:
   # T5 relative positions: number of buckets and the distance where the last bucket starts.
   c.model.relative_buckets = 32
   c.model.relative_max_distance = 128
+  # XLNet (Transformer-XL) memory: cached hidden states per layer (0 = no memory).
+  c.model.mem_len = 0
+  # XLNet: how many leading positions of a row go into the next step's memory (0 = seq_len/2).
+  c.model.reuse_len = 0
+  # XLNet: clip relative distances to +-clamp_len (-1 = off).
+  c.model.clamp_len = -1
+  # XLNet: separate attention biases (r_w, r_r, r_s) per layer (True) or one set shared.
+  c.model.untie_r = True
   # Token-type (segment A/B) embeddings, BERT: 2; 0 = none.
   c.model.type_vocab_size = 0
   # LayerNorm on the summed embeddings (BERT, RoBERTa).

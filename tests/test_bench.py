@@ -90,3 +90,9 @@ def test_cli_writes_json(tmp_path, capsys):
   assert out["step_s"] > 0 and out["mfu"] is None
   assert out["mesh"] == {"data": jax.device_count(), "fsdp": 1, "tensor": 1}
   assert "tokens/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["bert_tiny.py", "t5_tiny.py", "xlnet_tiny.py"])
+def test_benchmark_runs_every_family(name):
+  r = bench.benchmark(load_config(os.path.join(ROOT, "configs", name)), steps=1, warmup=0)
+  assert r["step_s"] > 0 and np.isfinite(r["loss"])

@@ -55,7 +55,7 @@ def test_missing_config_file():
 
 def test_valid_configs_pass():
   for name in ("base.py", "tiny.py", "quickstart.py", "bert_base.py", "roberta_base.py", "t5_base.py", "bert_tiny.py",
-               "roberta_tiny.py", "t5_tiny.py"):
+               "roberta_tiny.py", "t5_tiny.py", "xlnet_base.py", "xlnet_tiny.py"):
     validate(load_config(os.path.join(ROOT, "configs", name)), num_devices=1)
   validate(tiny_config("--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"), num_devices=8)
 

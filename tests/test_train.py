@@ -59,6 +59,7 @@ def test_train_cli_end_to_end(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config_name, extra", [("bert_tiny.py", []), ("roberta_tiny.py", []), ("t5_tiny.py", []),
+                                                ("xlnet_tiny.py", []),
                                                 ("tiny.py", ["--config.objective.name=prefix_lm"])])
 def test_every_family_and_objective_trains_end_to_end(tmp_path, config_name, extra):
   """The tiny config of each family/objective trains through `python -m tfx.train` on the

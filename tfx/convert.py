@@ -498,6 +498,8 @@ def from_hf(path: str, *, scan_layers: bool = True) -> tuple[ml_collections.Conf
     raise ConvertError(f"{path} has no config.json (expected an HF save_pretrained directory)")
   with open(cfg_path) as f:
     hf_cfg = json.load(f)
+  if _is_xlnet(hf_cfg):
+    return _xlnet_from_hf(path, hf_cfg)
   arch = _architecture(hf_cfg)
   config = _tfx_config(arch, hf_cfg)
   config.model.scan_layers = scan_layers
@@ -547,6 +549,117 @@ def from_hf(path: str, *, scan_layers: bool = True) -> tuple[ml_collections.Conf
     raise ConvertError(f"{path}: tensors tfx has no place for (an unsupported variant of {arch}?): "
                        f"{', '.join(sorted(leftover)[:8])}{' ...' if len(leftover) > 8 else ''}")
   _check_shapes(config, params, path)
+  return config, params
+
+
+# ============================================================================ XLNet (import only)
+#
+# `XLNetLMHeadModel` -> `xlnet` family (tfx/models/xlnet.py), objective `permutation_lm`.
+# HF stores rel_attn.{q,k,v,r} as [d_model, n_head, d_head] (= the tfx kernels) and o as
+# [d_model, n_head, d_head] (tfx out kernel [h, d, e]: transposed). HF keeps r_*_bias per layer
+# whatever `untie_r` says; identical biases in every layer import as shared (`untie_r=False`),
+# otherwise per layer. Layers are always unrolled (`layer_{i}/...`); `scan_layers` is ignored.
+# HF's `reuse_len` None means "cache every row": it imports as 0 (= all rows).
+
+XLNET = "XLNetLMHeadModel"
+
+
+def _is_xlnet(hf_cfg: dict) -> bool:
+  archs = hf_cfg.get("architectures") or []
+  return XLNET in archs or (not archs and hf_cfg.get("model_type") == "xlnet")
+
+
+def _xlnet_config(hf: dict, untie_r: bool) -> ml_collections.ConfigDict:
+  if hf.get("attn_type", "bi") != "bi":
+    raise ConvertError(f"{XLNET}: attn_type {hf.get('attn_type')!r} is not supported (only 'bi')")
+  if hf["d_head"] * hf["n_head"] != hf["d_model"]:
+    raise ConvertError(f"{XLNET}: d_head * n_head ({hf['d_head']} * {hf['n_head']}) must equal d_model "
+                       f"({hf['d_model']})")
+  c = _base_config()
+  m = c.model
+  m.family = "xlnet"
+  m.num_layers, m.d_model, m.num_heads, m.d_ff = hf["n_layer"], hf["d_model"], hf["n_head"], hf["d_inner"]
+  m.position, m.norm, m.norm_type, m.embed_norm = "relative", "post", "layernorm", False
+  m.norm_eps = float(hf.get("layer_norm_eps", 1e-12))
+  m.mlp, m.use_bias, m.type_vocab_size, m.tie_embeddings = _activation(hf.get("ff_activation", "gelu"), XLNET), \
+      True, 0, True
+  m.dropout = m.attention_dropout = float(hf.get("dropout", 0.1))
+  m.scan_layers = False
+  extra = {"mem_len": int(hf.get("mem_len") or 0), "reuse_len": int(hf.get("reuse_len") or 0),
+           "clamp_len": int(hf.get("clamp_len", -1)), "untie_r": bool(untie_r)}
+  with c.unlocked():  # the xlnet fields may not be in configs/base.py yet
+    for k, v in extra.items():
+      m[k] = v
+    c.objective.name = "permutation_lm"
+    c.objective.bi_data = bool(hf.get("bi_data", False))
+  c.data.seq_len = 512
+  c.data.vocab_size = int(hf["vocab_size"])
+  return c
+
+
+def _xlnet_rules(n_layers: int, untie_r: bool) -> list[_Rule]:
+  t = "transformer"
+  o_load = _one(lambda w: np.ascontiguousarray(w.transpose(1, 2, 0)))  # [e, h, d] -> [h, d, e]
+  o_save = _one(lambda k: np.ascontiguousarray(k.transpose(2, 0, 1)))
+  rules = [_rule(f"{t}.word_embedding.weight", "token_embed/embedding"),
+           _rule(f"{t}.mask_emb", "mask_emb", _one(lambda w: w.reshape(-1)), _one(lambda k: k.reshape(1, 1, -1))),
+           _rule("lm_loss.bias", "output_bias")]
+  for i in range(n_layers):
+    L, a = f"{t}.layer.{i}", f"layer_{i}"
+    rules += [_rule(f"{L}.rel_attn.{hf}", f"{a}/attention/{name}/kernel")
+              for hf, name in (("q", "query"), ("k", "key"), ("v", "value"), ("r", "relative"))]
+    rules += [_rule(f"{L}.rel_attn.o", f"{a}/attention/out/kernel", o_load, o_save),
+              _rule(f"{L}.rel_attn.seg_embed", f"{a}/attention/seg_embed"),
+              *_norm(f"{L}.rel_attn.layer_norm", f"{a}/attention/attention_norm"),
+              _linear(f"{L}.ff.layer_1.weight", f"{a}/mlp/wi_0/kernel"), _rule(f"{L}.ff.layer_1.bias", f"{a}/mlp/wi_0/bias"),
+              _linear(f"{L}.ff.layer_2.weight", f"{a}/mlp/wo/kernel"), _rule(f"{L}.ff.layer_2.bias", f"{a}/mlp/wo/bias"),
+              *_norm(f"{L}.ff.layer_norm", f"{a}/mlp_norm")]
+    for b in ("r_w_bias", "r_r_bias", "r_s_bias"):
+      if untie_r:
+        rules.append(_rule(f"{L}.rel_attn.{b}", f"{a}/attention/{b}"))
+      elif i == 0:
+        rules.append(_rule(f"{L}.rel_attn.{b}", b))
+  return rules
+
+
+def _xlnet_from_hf(path: str, hf_cfg: dict) -> tuple[ml_collections.ConfigDict, dict]:
+  """`from_hf` for an `XLNetLMHeadModel` directory (see the section comment)."""
+  import flax.linen as nn  # noqa: PLC0415
+  import jax  # noqa: PLC0415
+
+  from tfx.models.xlnet import XLNet  # noqa: PLC0415  (registers the family)
+  from tfx.nn.layers import ModelConfig  # noqa: PLC0415
+
+  tensors = _load_tensors(path)
+  n = int(hf_cfg["n_layer"])
+  tied_biases = all(np.array_equal(tensors.get(f"transformer.layer.{i}.rel_attn.{b}"),
+                                   tensors.get(f"transformer.layer.0.rel_attn.{b}"))
+                    for i in range(n) for b in ("r_w_bias", "r_r_bias", "r_s_bias"))
+  untie_r = not tied_biases
+  config = _xlnet_config(hf_cfg, untie_r)
+  params: dict = {}
+  for rule in _xlnet_rules(n, untie_r):
+    missing = [k for k in rule.hf if k not in tensors]
+    if missing:
+      raise ConvertError(f"{path}: the {XLNET} checkpoint lacks tensor(s) {', '.join(missing)}")
+    for name, value in zip(rule.tfx, rule.load([tensors[k] for k in rule.hf])):
+      _set(params, name, value)
+  used = {k for rule in _xlnet_rules(n, True) for k in rule.hf}
+  head = tensors.get("lm_loss.weight")
+  if head is not None and not np.array_equal(head, tensors["transformer.word_embedding.weight"]):
+    raise ConvertError(f"{path}: lm_loss.weight differs from the word embedding; tfx's xlnet head is tied")
+  used.add("lm_loss.weight")
+  leftover = sorted(k for k in tensors if k not in used)
+  if leftover:
+    raise ConvertError(f"{path}: tensors tfx has no place for: {', '.join(leftover[:8])}")
+  cfg = ModelConfig.from_config(config.model, vocab_size=config.data.vocab_size, max_length=config.data.seq_len)
+  shapes = jax.eval_shape(lambda: nn.unbox(XLNet(cfg).init(jax.random.key(0), **XLNet.init_inputs(1, 8)))["params"])
+  want = {k: tuple(v.shape) for k, v in _flatten(shapes).items()}
+  got = {k: tuple(np.shape(v)) for k, v in _flatten(params).items()}
+  if want != got:
+    diff = sorted(set(want) ^ set(got)) or [k for k in want if want[k] != got[k]]
+    raise ConvertError(f"{path}: the converted parameters do not match the tfx model: "
+                       + "; ".join(f"{k}: tfx {want.get(k)} vs converted {got.get(k)}" for k in diff[:6]))
   return config, params
 
 

@@ -1,7 +1,7 @@
 """Model families, registered by name in tfx.registry.FAMILIES."""
 
 from tfx.models.base import POSITIONS, Family
-from tfx.models import decoder, encoder, encoder_decoder  # noqa: F401  (register the families)
+from tfx.models import decoder, encoder, encoder_decoder, xlnet  # noqa: F401  (register the families)
 from tfx.models.encoder import ClassifierHead
 
 

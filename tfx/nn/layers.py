@@ -34,6 +34,10 @@ class ModelConfig:
   relative_buckets: int = 32
   relative_max_distance: int = 128
   type_vocab_size: int = 0
+  mem_len: int = 0
+  reuse_len: int = 0
+  clamp_len: int = -1
+  untie_r: bool = True
   embed_norm: bool = False
   embed_scale: bool = False
   scale_attention: bool = True

@@ -1,0 +1,242 @@
+"""The xlnet family (tfx/models/xlnet.py, tfx/nn/xlnet.py): relative positions, information flow
+under a permutation, memory, padded prediction rows. Small dims, float32, dropout off."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tfx.models.xlnet import XLNet
+from tfx.nn.layers import ModelConfig
+from tfx.nn import xlnet as X
+
+V, E, H, L, F = 32, 16, 2, 2, 32
+
+
+def _cfg(**kw) -> ModelConfig:
+  base = dict(family="xlnet", vocab_size=V, max_length=64, num_layers=L, d_model=E, num_heads=H, d_ff=F,
+              mlp="gelu_exact", norm="post", norm_eps=1e-12, mem_len=6, reuse_len=0, clamp_len=-1, untie_r=True)
+  base.update(kw)
+  return ModelConfig(**base)
+
+
+@functools.lru_cache(maxsize=None)
+def _init(cfg: ModelConfig, seed: int = 0):
+  """Params with every tensor random (norm scales / biases and r_*_bias included)."""
+  params = nn.unbox(XLNet(cfg).init(jax.random.key(seed), **XLNet.init_inputs(1, 4))["params"])
+  leaves, tree = jax.tree_util.tree_flatten(params)
+  noise = np.random.default_rng(seed).standard_normal(sum(x.size for x in leaves)).astype(np.float32)
+  out, k = [], 0
+  for x in leaves:
+    out.append(x + 0.3 * noise[k:k + x.size].reshape(x.shape))
+    k += x.size
+  return jax.tree_util.tree_unflatten(tree, out)
+
+
+def _perm_masks(z: np.ndarray, mlen: int):
+  """Masks of a factorization order z [b, t]: query z_j < z_i, content z_j <= z_i; memory visible."""
+  b, t = z.shape
+  query = z[:, None, :] < z[:, :, None]  # [b, i, j]
+  content = z[:, None, :] <= z[:, :, None]
+  mem = np.ones((b, t, mlen), bool)
+  return jnp.asarray(np.concatenate([mem, content], -1)), jnp.asarray(np.concatenate([mem, query], -1))
+
+
+# ============================================================================ positions
+
+
+@pytest.mark.parametrize("mlen,clamp,sign", [(0, -1, None), (3, -1, None), (3, 2, None), (4, -1, (1.0, -1.0))])
+def test_positional_term_matches_rel_shift(mlen, clamp, sign):
+  b, t, d = 2, 5, 4
+  s = mlen + t
+  kq, kw = jax.random.split(jax.random.key(0))
+  q_r = jax.random.normal(kq, (b, t, H, d))
+  w_r = jax.random.normal(kw, (E, H, d))
+  sign = None if sign is None else jnp.asarray(sign)
+  distances, index = X.distance_table(t, mlen)
+  k_r = jnp.einsum("bpe,ehd->bphd", X.relative_encoding(distances, E, clamp_len=clamp, sign=sign), w_r)
+  ours = X.positional_scores(q_r, k_r, index)
+  # Transformer-XL: encodings of pos = s, s-1, ..., -t+1, then the shift.
+  pos = jnp.arange(s, -t, -1, dtype=jnp.float32)
+  k_shift = jnp.einsum("bpe,ehd->bphd", X.relative_encoding(pos, E, clamp_len=clamp, sign=sign), w_r)
+  ref = X.rel_shift_scores(q_r, k_shift, mlen)
+  np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
+  # Explicitly: entry (i, j) scores the distance i + mlen - j (clamped, signed).
+  sgn = np.ones(b) if sign is None else np.asarray(sign)
+  for i, j in [(0, 0), (t - 1, 0), (0, s - 1), (2, 1)]:
+    dist = np.clip(i + mlen - j, -clamp, clamp) if clamp > 0 else i + mlen - j
+    r = X.sinusoid(jnp.asarray(sgn * dist, jnp.float32), E)  # [b, e]
+    want = jnp.einsum("bhd,be,ehd->bh", q_r[:, i], r, w_r)
+    np.testing.assert_allclose(ours[:, :, i, j], want, rtol=1e-5, atol=1e-5)
+
+
+def test_sinusoid_layout():
+  r = X.sinusoid(jnp.asarray([0.0, 2.0]), 8)
+  f = 10000.0 ** (-np.arange(0, 8, 2) / 8)
+  np.testing.assert_allclose(r[1], np.concatenate([np.sin(2 * f), np.cos(2 * f)]), rtol=1e-6)
+  np.testing.assert_allclose(r[0], [0, 0, 0, 0, 1, 1, 1, 1])
+
+
+# ============================================================================ information flow
+
+
+def test_information_flow_under_a_permutation():
+  cfg = _cfg()
+  model = XLNet(cfg)
+  params = _init(cfg)
+  b, t, m = 2, 8, 3
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, V, (b, t)))
+  types = jnp.asarray(rng.integers(0, 2, (b, t)))
+  z = np.stack([rng.permutation(t) for _ in range(b)])
+  content, query = _perm_masks(z, m)
+  mems = jax.random.normal(jax.random.key(3), (L, b, m, E))
+  perts = nn.unbox(model.init(jax.random.key(0), tokens, types, content, query, jnp.eye(t)[None].repeat(b, 0),
+                              mems)["perturbations"])
+  mapping = jnp.broadcast_to(jnp.eye(t), (b, t, t))  # prediction slot i = position i
+  proj = jax.random.normal(jax.random.key(4), (V,))
+
+  def out(perturbations, stream):  # [b, t]: a random projection of each slot's logits
+    tm = mapping if stream == "query" else None
+    logits, _ = model.apply({"params": params, "perturbations": perturbations}, tokens, types, content,
+                            query if stream == "query" else None, tm, mems)
+    return logits @ proj
+
+  # d out[r, i] / d emb[r', j, :] for every (r, i, r', j): [b, t, b, t, e]
+  jac = jax.jit(jax.jacrev(out), static_argnums=1)
+  jq = np.abs(np.asarray(jac(perts, "query")["embeddings"])).max(-1)
+  jc = np.abs(np.asarray(jac(perts, "content")["embeddings"])).max(-1)
+  for r in range(b):
+    for i in range(t):
+      for j in range(t):
+        if z[r, j] >= z[r, i]:  # itself or later in the order: exactly nothing
+          assert jq[r, i, r, j] == 0.0, (r, i, j)
+        else:
+          assert jq[r, i, r, j] > 0.0, (r, i, j)
+        if z[r, j] > z[r, i]:
+          assert jc[r, i, r, j] == 0.0, (r, i, j)
+      assert jc[r, i, r, i] > 0.0  # the content stream sees its own token
+  assert np.all(jq[0, :, 1] == 0.0) and np.all(jq[1, :, 0] == 0.0)  # rows are independent
+
+
+def test_no_gradient_into_memory():
+  cfg = _cfg()
+  model = XLNet(cfg)
+  params = _init(cfg)
+  b, t, m = 2, 6, 4
+  rng = np.random.default_rng(1)
+  tokens = jnp.asarray(rng.integers(0, V, (b, t)))
+  content, query = _perm_masks(np.stack([rng.permutation(t) for _ in range(b)]), m)
+  mapping = jnp.broadcast_to(jnp.eye(t), (b, t, t))
+  mems = jax.random.normal(jax.random.key(2), (L, b, m, E))
+
+  def loss(mems):
+    logits, new_mems = model.apply({"params": params}, tokens, None, content, query, mapping, mems)
+    return jnp.sum(logits**2) + jnp.sum(new_mems**2)
+
+  g = jax.grad(loss)(mems)
+  assert np.all(np.asarray(g) == 0.0)
+  # ... while the memory does change the outputs.
+  a, _ = model.apply({"params": params}, tokens, None, content, query, mapping, mems)
+  c, _ = model.apply({"params": params}, tokens, None, content, query, mapping, mems * 2)
+  assert np.abs(np.asarray(a - c)).max() > 1e-4
+
+
+# ============================================================================ memory
+
+
+@pytest.mark.parametrize("reuse_len,with_mems", [(4, True), (0, True), (0, False), (3, False)])
+def test_new_memory_is_the_tail_of_old_memory_and_layer_inputs(reuse_len, with_mems):
+  mem_len = 6
+  cfg = _cfg(mem_len=mem_len, reuse_len=reuse_len)
+  model = XLNet(cfg)
+  params = _init(cfg)
+  b, t = 2, 8
+  m = mem_len if with_mems else 0
+  rng = np.random.default_rng(2)
+  tokens = jnp.asarray(rng.integers(0, V, (b, t)))
+  types = jnp.asarray(rng.integers(0, 2, (b, t)))
+  content, query = _perm_masks(np.stack([rng.permutation(t) for _ in range(b)]), m)
+  mems = jax.random.normal(jax.random.key(5), (L, b, m, E)) if with_mems else None
+  (_, new_mems), state = model.apply({"params": params}, tokens, types, content, None, None, mems,
+                                     capture_intermediates=True, mutable=["intermediates"])
+  inter = state["intermediates"]
+  inputs = [inter["token_embed"]["__call__"][0]] + [inter[f"layer_{k}"]["__call__"][0][0] for k in range(L - 1)]
+  assert new_mems.shape == (L, b, mem_len, E)
+  for k in range(L):
+    cur = np.asarray(inputs[k])[:, :reuse_len or t]
+    old = np.asarray(mems[k]) if with_mems else np.zeros((b, mem_len, E), np.float32)
+    want = np.concatenate([old, cur], axis=1)[:, -mem_len:]
+    np.testing.assert_array_equal(np.asarray(new_mems[k]), want)
+
+
+def test_no_memory_when_mem_len_is_zero():
+  cfg = _cfg(mem_len=0)
+  params = _init(cfg)
+  inputs = XLNet.init_inputs(2, 5)
+  logits, new_mems = XLNet(cfg).apply({"params": params}, **inputs)
+  assert new_mems is None and logits.shape == (2, 5, V)
+
+
+def test_bi_sign_plus_one_is_the_default_and_minus_one_differs():
+  cfg = _cfg()
+  params = _init(cfg)
+  inputs = XLNet.init_inputs(2, 5)
+  inputs["tokens"] = jnp.asarray(np.random.default_rng(4).integers(0, V, (2, 5)))  # distinct keys
+  a, _ = XLNet(cfg).apply({"params": params}, **inputs)
+  p, _ = XLNet(cfg).apply({"params": params}, **inputs, bi_sign=jnp.ones(2))
+  n, _ = XLNet(cfg).apply({"params": params}, **inputs, bi_sign=jnp.asarray([1.0, -1.0]))
+  np.testing.assert_array_equal(a, p)
+  np.testing.assert_array_equal(a[0], n[0])
+  assert np.abs(np.asarray(a[1] - n[1])).max() > 1e-4
+
+
+# ============================================================================ padded prediction rows
+
+
+def test_padded_prediction_rows_change_nothing():
+  cfg = _cfg(untie_r=False)
+  model = XLNet(cfg)
+  params = _init(cfg)
+  b, t = 2, 8
+  rng = np.random.default_rng(3)
+  tokens = jnp.asarray(rng.integers(0, V, (b, t)))
+  types = jnp.asarray(rng.integers(0, 2, (b, t)))
+  content, query = _perm_masks(np.stack([rng.permutation(t) for _ in range(b)]), 0)
+  positions = np.stack([rng.choice(t, 4, replace=False) for _ in range(b)])
+  real = np.zeros((b, 4, t), np.float32)
+  real[np.arange(b)[:, None], np.arange(4)[None], positions] = 1.0
+  slots = np.array([0, 2, 3, 5])  # real rows inside a 7-row mapping; rows 1, 4, 6 are padding
+  padded = np.zeros((b, 7, t), np.float32)
+  padded[:, slots] = real
+  labels = jnp.asarray(rng.integers(0, V, (b, 4)))
+
+  def loss(params, mapping, rows):
+    logits, _ = model.apply({"params": params}, tokens, types, content, query, jnp.asarray(mapping))
+    logits = logits[:, np.asarray(rows)]
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1)), logits
+
+  step = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=2)
+  (la, logits_a), ga = step(params, real, (0, 1, 2, 3))
+  (lb, logits_b), gb = step(params, padded, tuple(slots.tolist()))
+  np.testing.assert_allclose(logits_a, logits_b, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(la, lb, rtol=1e-6)
+  jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), ga, gb)
+
+
+def test_shared_biases_when_untie_r_is_false():
+  tied = nn.unbox(XLNet(_cfg(untie_r=False)).init(jax.random.key(0), **XLNet.init_inputs(1, 4))["params"])
+  untied = nn.unbox(XLNet(_cfg(untie_r=True)).init(jax.random.key(0), **XLNet.init_inputs(1, 4))["params"])
+  assert tied["r_w_bias"].shape == (H, E // H) and "r_w_bias" not in tied["layer_0"]["attention"]
+  assert "r_w_bias" not in untied and untied["layer_1"]["attention"]["r_s_bias"].shape == (H, E // H)
+
+
+def test_every_parameter_has_logical_axes():
+  variables = XLNet(_cfg()).init(jax.random.key(0), **XLNet.init_inputs(1, 4))
+  boxed = jax.tree_util.tree_leaves(variables["params"], is_leaf=lambda x: isinstance(x, nn.Partitioned))
+  assert boxed and all(isinstance(x, nn.Partitioned) for x in boxed)
+  names = {n for x in boxed for n in x.names if n is not None}
+  assert names <= {"vocab", "embed", "heads", "kv", "mlp", "norm"}

@@ -1,0 +1,95 @@
+"""The XLNet family: two-stream Transformer-XL relative attention with memory, post-LN, and an
+LM head tied to the input embedding (plus an output bias).
+
+The masks are inputs (True = may attend), so the model knows nothing about permutations; the
+permutation-LM objective builds them. Memory: each layer's *input* (layer 0: the word
+embeddings) is cached, new_mem_l = stop_gradient(concat(mem_l, h_l[:reuse_len])[-mem_len:]);
+incoming memory is also a constant (no gradient flows into it).
+
+Config fields read with defaults (so this runs before configs/base.py has them):
+`mem_len` (0 = no memory), `reuse_len` (0 = all t rows), `clamp_len` (-1 = off), `untie_r`
+(True: r_*_bias per layer). `type_vocab_size` is unused: XLNet has no type embedding; token
+types enter only through s_ij = [type_i != type_j] and the learned seg_embed [2, h, d].
+"""
+
+from typing import ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from tfx.models.base import Family
+from tfx.nn.layers import Embed, ModelConfig
+from tfx.nn.xlnet import XLNetLayer, cache_memory, distance_table, relative_encoding, segment_difference, \
+    shared_biases
+from tfx.registry import FAMILIES
+
+
+@FAMILIES.register("xlnet")
+class XLNet(Family):
+  """XLNet (two-stream relative attention with memory) and its tied LM head.
+
+  `__call__(tokens, token_types, content_mask, query_mask, target_mapping, mems, bi_sign, *,
+  train)` -> `(logits, new_mems)`:
+    tokens [b, t] int; token_types [b, t] int or None (no segment term);
+    content_mask [b, t, m + t] bool or None (attend all); query_mask [b, t, m + t] bool (needed
+    with target_mapping); target_mapping [b, n, t] float or None (no query stream);
+    mems [l, b, m, e] or None; bi_sign [b] float (+1 / -1 per row) or None.
+  logits: the query stream's [b, n, v] with target_mapping, else the content stream's [b, t, v]
+  (float32). new_mems: [l, b, mem_len, e], or None when mem_len == 0.
+  """
+
+  INPUTS: ClassVar[tuple[str, ...]] = ("tokens", "token_types", "content_mask", "query_mask", "target_mapping")
+
+  @classmethod
+  def init_inputs(cls, batch: int, length: int) -> dict[str, jax.Array]:
+    """Dummy inputs for `model.init` (no memory; every position predicted)."""
+    eye = jnp.eye(length, dtype=bool)
+    return {
+        "tokens": jnp.zeros((batch, length), jnp.int32),
+        "token_types": jnp.zeros((batch, length), jnp.int32),
+        "content_mask": jnp.ones((batch, length, length), bool),
+        "query_mask": jnp.broadcast_to(~eye, (batch, length, length)),
+        "target_mapping": jnp.broadcast_to(eye.astype(jnp.float32), (batch, length, length)),
+    }
+
+  @nn.compact
+  def __call__(self, tokens, token_types=None, content_mask=None, query_mask=None, target_mapping=None, mems=None,
+               bi_sign=None, *, train: bool = False):
+    cfg = self.cfg
+    mem_len = cfg.mem_len
+    reuse_len = cfg.reuse_len
+    clamp_len = cfg.clamp_len
+    untie_r = cfg.untie_r
+    if target_mapping is not None and query_mask is None:
+      raise ValueError("xlnet: the query stream (target_mapping given) needs a query_mask")
+    b, t = tokens.shape
+    m = 0 if mems is None else mems.shape[2]
+    drop = lambda x: nn.Dropout(cfg.dropout)(x, deterministic=not train)
+
+    embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=cfg.compute_dtype, name="token_embed")
+    h = self.perturb("embeddings", embed(tokens))  # [b, t, e]; perturbations: information-flow tests
+    h = drop(h)
+    g = None
+    if target_mapping is not None:
+      mask_emb = self.param("mask_emb", nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std),
+                                                                     ("embed",)), (cfg.d_model,), jnp.float32)
+      g = drop(jnp.broadcast_to(mask_emb.astype(cfg.compute_dtype), (b, target_mapping.shape[1], cfg.d_model)))
+
+    distances, index = distance_table(t, m)  # [p], [t, s]
+    r = drop(relative_encoding(distances, cfg.d_model, clamp_len=clamp_len, sign=bi_sign))  # [b|1, p, e]
+    seg_diff = None if token_types is None else segment_difference(token_types, m)  # [b, t, s]
+    biases = None if untie_r else shared_biases(self, cfg)
+    if mems is not None:
+      mems = jax.lax.stop_gradient(mems)
+
+    new_mems = []
+    for i in range(cfg.num_layers):
+      mem = None if mems is None else mems[i]
+      if mem_len > 0:
+        new_mems.append(cache_memory(mem, h, mem_len, reuse_len))
+      h, g = XLNetLayer(cfg, not train, name=f"layer_{i}")(h, g, mem, r, index, seg_diff, content_mask, query_mask,
+                                                            target_mapping, biases)
+    out = drop(h if g is None else g)
+    logits = self.lm_head(embed, out, bias=True)  # [b, n|t, v]
+    return logits, (jnp.stack(new_mems) if new_mems else None)

@@ -1,0 +1,297 @@
+"""XLNet building blocks: Transformer-XL relative attention with two streams and memory.
+
+Shape letters as in tfx/nn/__init__.py, plus: m memory length, s = m + t key length,
+n prediction slots, p relative distances (2s - 1 of them).
+
+- Relative positions: query i in [0, t) and key j in [0, s) are at distance
+  d_ij = i + m - j. R(d) = concat[sin(d f), cos(d f)], f_k = 10000^(-2k/e). The positional
+  score (q_i + r_r_bias) . W_r R(d_ij) is computed once per distinct distance and gathered
+  (`positional_scores`); `rel_shift_scores` is the Transformer-XL shift formulation, kept as a
+  test reference.
+- Segments: s_ij = [type_i != type_j]; memory positions have type 0.
+- Two streams share every weight: the content stream h attends [mem; h] under `content_mask`;
+  the query stream g attends the same keys / values under `query_mask` and is never a key.
+- Masks are inputs (True = may attend); nothing here knows about permutations.
+"""
+
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from tfx import ops
+from tfx.nn.layers import DenseGeneral, Mlp, ModelConfig, Norm, constrain
+
+
+class RelBiases(NamedTuple):
+  """The per-head biases of relative attention, [h, d] each."""
+
+  r_w: jax.Array  # content (query . key)
+  r_r: jax.Array  # position (query . W_r R)
+  r_s: jax.Array  # segment (query . seg_embed)
+
+
+# ============================================================================ positions
+
+
+def distance_table(length: int, mem_length: int) -> tuple[jax.Array, jax.Array]:
+  """The distinct relative distances and, per (query, key), the index of its distance.
+
+  Args:
+    length: t, the number of queries.
+    mem_length: m, memory positions before the queries (keys are [mem; current], s = m + t).
+
+  Returns:
+    distances: [2s - 1] float32, s - 1 down to -(s - 1).
+    index: [t, s] int32 with distances[index[i, j]] == i + m - j.
+  """
+  s = mem_length + length
+  distances = jnp.arange(s - 1, -s, -1, dtype=jnp.float32)  # [p]
+  i = jnp.arange(length)[:, None]
+  j = jnp.arange(s)[None, :]
+  index = (length - 1 - i + j).astype(jnp.int32)  # [t, s]; = (s - 1) - (i + m - j)
+  return distances, index
+
+
+def sinusoid(distances: jax.Array, d_model: int) -> jax.Array:
+  """R(d) = concat[sin(d f), cos(d f)], f_k = 10000^(-2k/d_model): [...] -> [..., d_model]."""
+  inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, d_model, 2, dtype=jnp.float32) / d_model))  # [e/2]
+  angles = distances[..., None].astype(jnp.float32) * inv_freq  # [..., e/2]
+  return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+
+
+def relative_encoding(distances: jax.Array, d_model: int, *, clamp_len: int = -1,
+                      sign: jax.Array | None = None) -> jax.Array:
+  """Sinusoidal encodings of (clamped, signed) distances.
+
+  Args:
+    distances: [p] float.
+    d_model: e.
+    clamp_len: > 0 clips distances to [-clamp_len, clamp_len]; otherwise unused.
+    sign: optional [b] of +1 / -1 (bi_data: the backward rows use -d).
+
+  Returns:
+    [1, p, e] without `sign`, else [b, p, e] (float32).
+  """
+  d = distances
+  if clamp_len is not None and clamp_len > 0:
+    d = jnp.clip(d, -clamp_len, clamp_len)
+  d = d[None, :] if sign is None else sign.astype(jnp.float32)[:, None] * d[None, :]  # [b|1, p]
+  return sinusoid(d, d_model)
+
+
+def positional_scores(q_r: jax.Array, k_r: jax.Array, index: jax.Array) -> jax.Array:
+  """(q_i + r_r_bias) . W_r R(d_ij), scored once per distance and gathered.
+
+  Args:
+    q_r: [b, t, h, d] queries plus r_r_bias.
+    k_r: [b|1, p, h, d] projected encodings W_r R(d) of every distance.
+    index: [t, s] int, the distance index of each (query, key).
+
+  Returns:
+    [b, h, t, s] float32.
+  """
+  if k_r.shape[0] == 1:
+    table = jnp.einsum("bthd,phd->bhtp", q_r, k_r[0])  # [b, h, t, p]
+  else:
+    table = jnp.einsum("bthd,bphd->bhtp", q_r, k_r)
+  b, h, t, _ = table.shape
+  idx = jnp.broadcast_to(index[None, None], (b, h, t, index.shape[1]))
+  return jnp.take_along_axis(table, idx, axis=-1).astype(jnp.float32)  # [b, h, t, s]
+
+
+def rel_shift_scores(q_r: jax.Array, k_r_shift: jax.Array, mem_length: int) -> jax.Array:
+  """Transformer-XL's formulation (a test reference for `positional_scores`).
+
+  Args:
+    q_r: [b, t, h, d] queries plus r_r_bias.
+    k_r_shift: [b|1, s + t, h, d] W_r R(pos) for pos = s, s - 1, ..., -t + 1 (HF / original "bi").
+    mem_length: m.
+
+  Returns:
+    [b, h, t, s]: score against every position, then the reshape-and-drop-a-row shift.
+  """
+  b, t = q_r.shape[:2]
+  s = mem_length + t
+  k = jnp.broadcast_to(k_r_shift, (b,) + k_r_shift.shape[1:])
+  x = jnp.einsum("bthd,bphd->bhtp", q_r, k)  # [b, h, t, s + t]
+  h = x.shape[1]
+  x = x.reshape(b, h, s + t, t)[:, :, 1:, :]  # [b, h, s + t - 1, t]
+  x = x.reshape(b, h, t, s + t - 1)
+  return x[..., :s].astype(jnp.float32)
+
+
+# ============================================================================ attention core
+
+
+def segment_difference(token_types: jax.Array, mem_length: int) -> jax.Array:
+  """[b, t] int -> [b, t, s] bool: type_i != type_j, memory positions having type 0."""
+  b = token_types.shape[0]
+  keys = jnp.concatenate([jnp.zeros((b, mem_length), token_types.dtype), token_types], axis=1)  # [b, s]
+  return token_types[:, :, None] != keys[:, None, :]
+
+
+def relative_scores(q: jax.Array, k: jax.Array, k_r: jax.Array, index: jax.Array, biases: RelBiases,
+                    seg_embed: jax.Array, seg_diff: jax.Array | None) -> jax.Array:
+  """Unscaled scores: content + position + segment terms.
+
+  Args:
+    q: [b, t, h, d]; k: [b, s, h, d]; k_r: [b|1, p, h, d]; index: [t, s].
+    biases: r_w / r_r / r_s, [h, d] each.
+    seg_embed: [2, h, d] (same-segment, different-segment).
+    seg_diff: [b, t, s] bool, or None for no segment term.
+
+  Returns:
+    [b, h, t, s] float32.
+  """
+  ac = jnp.einsum("bthd,bshd->bhts", q + biases.r_w.astype(q.dtype), k).astype(jnp.float32)
+  bd = positional_scores(q + biases.r_r.astype(q.dtype), k_r, index)
+  score = ac + bd
+  if seg_diff is not None:
+    ef = jnp.einsum("bthd,khd->bhtk", q + biases.r_s.astype(q.dtype), seg_embed.astype(q.dtype))  # [b, h, t, 2]
+    ef = ef.astype(jnp.float32)
+    score = score + jnp.where(seg_diff[:, None], ef[..., 1:], ef[..., :1])
+  return score
+
+
+def _scatter(x: jax.Array, target_mapping: jax.Array) -> jax.Array:
+  """[b, n, h, d] prediction slots -> [b, t, h, d] positions (sum over slots mapped there)."""
+  return jnp.einsum("bnhd,bnt->bthd", x, target_mapping.astype(x.dtype))
+
+
+def _gather(x: jax.Array, target_mapping: jax.Array) -> jax.Array:
+  """[b, t, h, d] positions -> [b, n, h, d] prediction slots."""
+  return jnp.einsum("bthd,bnt->bnhd", x, target_mapping.astype(x.dtype))
+
+
+# ============================================================================ modules
+
+
+def _bias_param(module: nn.Module, name: str, cfg: ModelConfig) -> jax.Array:
+  return module.param(name, nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), ("heads", "kv")),
+                      (cfg.num_heads, cfg.head_dim), jnp.float32)
+
+
+def shared_biases(module: nn.Module, cfg: ModelConfig) -> RelBiases:
+  """r_w / r_r / r_s biases as parameters of `module` (one set per layer, or one for all when
+  untie_r is False)."""
+  return RelBiases(*(_bias_param(module, f"r_{k}_bias", cfg) for k in ("w", "r", "s")))
+
+
+class TwoStreamAttention(nn.Module):
+  """Relative multi-head attention over [mem; h] for the content and (optional) query streams.
+
+  Post-LN: each stream's output is LayerNorm(x + dropout(o(attention))), with one norm shared by
+  both streams. Parameters: query / key / value / relative [e, h, d], out [h, d, e], seg_embed
+  [2, h, d], r_*_bias [h, d] (unless given), attention_norm.
+  """
+
+  cfg: ModelConfig
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, h: jax.Array, g: jax.Array | None, mem: jax.Array | None, r: jax.Array, index: jax.Array,
+               seg_diff: jax.Array | None, content_mask: jax.Array | None, query_mask: jax.Array | None,
+               target_mapping: jax.Array | None, biases: RelBiases | None = None):
+    """Runs both streams.
+
+    Args:
+      h: [b, t, e] content stream.
+      g: [b, n, e] query stream (n = t without target_mapping), or None.
+      mem: [b, m, e] memory (keys / values only), or None.
+      r: [b|1, p, e] encodings of the distances in `index`.
+      index: [t, s] int distance indices.
+      seg_diff: [b, t, s] bool or None.
+      content_mask, query_mask: [b, t, s] bool (True = may attend), or None (attend all).
+      target_mapping: [b, n, t] float or None.
+      biases: shared relative biases, or None for this layer's own.
+
+    Returns:
+      (h [b, t, e], g [b, n, e] or None).
+    """
+    cfg = self.cfg
+    e, nh, hd = cfg.d_model, cfg.num_heads, cfg.head_dim
+    dt = cfg.compute_dtype
+
+    def proj(name: str) -> DenseGeneral:
+      return DenseGeneral((e,), (nh, hd), ("embed", "heads", "kv"), use_bias=False, init_std=cfg.init_std,
+                          dtype=dt, name=name)
+
+    if biases is None:
+      biases = shared_biases(self, cfg)
+    seg_embed = self.param("seg_embed", nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std),
+                                                                     (None, "heads", "kv")),
+                           (2, nh, hd), jnp.float32)
+    query = proj("query")
+    out = DenseGeneral((nh, hd), (e,), ("heads", "kv", "embed"), use_bias=False, init_std=cfg.init_std, dtype=dt,
+                       name="out")
+    norm = Norm("layernorm", cfg.norm_eps, use_bias=True, dtype=dt, name="attention_norm")
+    drop = lambda x: nn.Dropout(cfg.dropout)(x, deterministic=self.deterministic)
+
+    cat = h if mem is None else jnp.concatenate([mem.astype(h.dtype), h], axis=1)  # [b, s, e]
+    k = proj("key")(cat)  # [b, s, h, d]
+    v = proj("value")(cat)  # [b, s, h, d]
+    k_r = proj("relative")(r.astype(dt))  # [b|1, p, h, d]
+    scale = hd**-0.5
+
+    def attend(q: jax.Array, mask: jax.Array | None) -> jax.Array:  # [b, t, h, d] -> [b, t, h, d]
+      score = relative_scores(q, k, k_r, index, biases, seg_embed, seg_diff) * scale  # [b, h, t, s]
+      if mask is not None:
+        score = jnp.where(mask[:, None], score, ops.MASK_VALUE)
+      probs = jax.nn.softmax(score, axis=-1)
+      probs = nn.Dropout(cfg.attention_dropout)(probs, deterministic=self.deterministic)
+      return jnp.einsum("bhts,bshd->bthd", probs.astype(v.dtype), v)
+
+    def post(x: jax.Array, vec: jax.Array) -> jax.Array:
+      return norm(x + drop(out(vec)))
+
+    h_out = post(h, attend(query(h), content_mask))
+    h_out = constrain(h_out, ("act_batch", "act_length", "act_embed"))
+    if g is None:
+      return h_out, None
+    q_g = query(g)  # [b, n, h, d]
+    if target_mapping is not None:
+      q_g = _scatter(q_g, target_mapping)  # [b, t, h, d]
+    vec = attend(q_g, query_mask)
+    if target_mapping is not None:
+      vec = _gather(vec, target_mapping)  # [b, n, h, d]
+    return h_out, post(g, vec)
+
+
+class XLNetLayer(nn.Module):
+  """Two-stream relative attention then a post-LN FFN (shared by both streams)."""
+
+  cfg: ModelConfig
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, h, g, mem, r, index, seg_diff, content_mask, query_mask, target_mapping, biases=None):
+    """Same arguments as `TwoStreamAttention`; returns (h [b, t, e], g [b, n, e] or None)."""
+    cfg = self.cfg
+    h, g = TwoStreamAttention(cfg, self.deterministic, name="attention")(
+        h, g, mem, r, index, seg_diff, content_mask, query_mask, target_mapping, biases)
+    mlp = Mlp(cfg, self.deterministic, name="mlp")
+    norm = Norm("layernorm", cfg.norm_eps, use_bias=True, dtype=cfg.compute_dtype, name="mlp_norm")
+    drop = lambda x: nn.Dropout(cfg.dropout)(x, deterministic=self.deterministic)
+    ffn = lambda x: norm(x + drop(mlp(x)))
+    return ffn(h), (None if g is None else ffn(g))
+
+
+def cache_memory(prev: jax.Array | None, h: jax.Array, mem_len: int, reuse_len: int = 0) -> jax.Array:
+  """new_mem = stop_gradient(concat(prev, h[:reuse_len])[-mem_len:]) along time.
+
+  Args:
+    prev: [b, m, e] or None (treated as zeros, as the original's initial memory).
+    h: [b, t, e] this layer's input.
+    mem_len: rows kept (> 0).
+    reuse_len: leading rows of h that may be cached (<= 0: all).
+
+  Returns:
+    [b, mem_len, e]; left-padded with zeros if fewer rows exist.
+  """
+  cur = h[:, :reuse_len] if reuse_len and reuse_len > 0 else h
+  x = cur if prev is None else jnp.concatenate([prev.astype(cur.dtype), cur], axis=1)
+  if x.shape[1] < mem_len:
+    x = jnp.concatenate([jnp.zeros((x.shape[0], mem_len - x.shape[1], x.shape[2]), x.dtype), x], axis=1)
+  return jax.lax.stop_gradient(x[:, -mem_len:])
