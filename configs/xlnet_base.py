@@ -5,9 +5,10 @@ span sampler with alpha 6, beta 1, untied relative biases, no clamping.
 
     python -m tfx.train --config configs/xlnet_base.py --workdir runs/xlnet_base
 
-Status: the objective does not carry the memory from step to step yet (it runs each row
-without memory; `model.mem_len` sizes the memory the model returns), and the A/B + sep + cls
-row layout and bi_data are not implemented; see tfx/objectives/permutation_lm.py.
+The memory is carried from step to step: rows are contiguous text streams that advance by
+reuse_len (256), so the memory built from a row's first 256 positions is the text right before
+the next row. Not implemented yet: the A/B + sep + cls row layout (rows are one segment,
+token types 0) and bi_data; see tfx/objectives/permutation_lm.py.
 """
 
 import ml_collections

@@ -557,3 +557,19 @@ def test_streams_continue_row_by_row():
   again = make_pipeline(global_batch=4, streams=True)
   again.restore({"epoch": 0, "row": 8})
   np.testing.assert_array_equal(again.next_batch()["tokens"], batches[2])
+
+
+def test_strided_streams_overlap_by_the_stride():
+  """streams + stride: row b of batch s+1 starts `stride` tokens after row b of batch s, in the
+  same text stream (XLNet: the memory of a row is the text right before it)."""
+  docs = synthetic_documents(60)
+  pipeline = make_pipeline(docs, global_batch=2, streams=True, stride=6)
+  a, b = pipeline.next_batch(), pipeline.next_batch()
+  np.testing.assert_array_equal(b["tokens"][:, :10], a["tokens"][:, 6:])
+  assert np.all(a["segment_ids"][:, 0] == 1) and np.all(a["positions"][:, 0] == 0)
+  # Positions restart where a document starts inside a row (every document ends with EOS).
+  for row_tokens, row_pos in zip(a["tokens"], a["positions"]):
+    after_eos = np.flatnonzero(row_tokens[:-1] == EOS) + 1
+    assert np.all(row_pos[after_eos] == 0)
+  with pytest.raises(ValueError, match="stride"):
+    make_pipeline(docs, streams=True, stride=17)

@@ -73,7 +73,14 @@ def test_every_family_and_objective_trains_end_to_end(tmp_path, config_name, ext
   assert len(evals) >= 2 and evals[-1] < evals[0] - 1.0, evals
 
 
-@pytest.mark.parametrize("overrides", [[], ENCODER_MLM, T5_SPANS], ids=["decoder_clm", "encoder_mlm", "t5_spans"])
+XLNET_MEMORY = ["--config.model.family=xlnet", "--config.objective.name=permutation_lm", "--config.model.norm=post",
+                "--config.model.position=relative", "--config.model.mlp=gelu_exact", "--config.model.scan_layers=false",
+                "--config.model.mem_len=48", "--config.model.reuse_len=32", "--config.objective.reuse_len=32",
+                "--config.objective.perm_size=32"]
+
+
+@pytest.mark.parametrize("overrides", [[], ENCODER_MLM, T5_SPANS, XLNET_MEMORY],
+                         ids=["decoder_clm", "encoder_mlm", "t5_spans", "xlnet_memory"])
 def test_exact_resume(tmp_path, shared_tokenizer, overrides):
   """Stopping after a checkpoint and resuming gives the same metrics and the same parameters,
   bitwise, as an uninterrupted run (dropout on, and MLM / span masks drawn from the step's key,
@@ -87,6 +94,10 @@ def test_exact_resume(tmp_path, shared_tokenizer, overrides):
   assert without_timing(read_metrics(str(part))) == without_timing(read_metrics(str(tmp_path / "full")))
   a, b = params_of(full), params_of(resumed)
   jax.tree.map(np.testing.assert_array_equal, a, b)
+  if overrides == XLNET_MEMORY:  # the memory is carried, checkpointed and restored too
+    memory = np.asarray(full["state"].objective_state)
+    assert memory.shape == (2, 8, 48, 64) and np.abs(memory).sum() > 0
+    np.testing.assert_array_equal(memory, np.asarray(resumed["state"].objective_state))
 
 
 def test_resume_after_crash_between_checkpoints(tmp_path, shared_tokenizer):

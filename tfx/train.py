@@ -95,7 +95,8 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> Experiment:
   pipeline = DataPipeline.from_config(
       d, tokenizer, corpus, row_length=objective.raw_length(d.seq_len), global_batch=config.train.batch_size,
       seed=config.train.seed, process_index=jax.process_index(), process_count=jax.process_count(),
-      streams=objective.contiguous_rows)
+      streams=objective.contiguous_rows,
+      stride=objective.row_stride(d.seq_len) if objective.contiguous_rows else 0)
   tx, schedule = make_optimizer(config)
   return Experiment(config, workdir, tokenizer, objective, model, pipeline, parallel.make_mesh(config.mesh), tx, schedule)
 
@@ -110,10 +111,9 @@ def _init_fn(model: nn.Module, tx: optax.GradientTransformation, seq_len: int, o
   def init(rng):
     params_rng, state_rng = jax.random.split(rng)
     params = model.init({"params": params_rng, "dropout": params_rng}, **inputs)["params"]
-    objective_state = None
-    if objective is not None and objective.stateful:
-      objective_state = jax.tree.map(nn.LogicallyPartitioned, objective.init_state(batch_size, model.cfg),
-                                     objective.state_axes())
+    objective_state = objective.init_state(batch_size, model.cfg) if objective is not None else None
+    if objective_state is not None:
+      objective_state = jax.tree.map(nn.LogicallyPartitioned, objective_state, objective.state_axes())
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       rng=jax.random.key_data(state_rng), objective_state=objective_state)
 

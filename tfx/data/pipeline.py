@@ -167,6 +167,29 @@ def pack_stream(stream: np.ndarray, doc_starts: np.ndarray, row_length: int,
           "positions": positions.reshape(shape)}
 
 
+def pack_streams(stream: np.ndarray, doc_starts: np.ndarray, row_length: int, num_streams: int,
+                 stride: int) -> Batch:
+  """Cuts a token stream into `num_streams` equal streams and each into rows `stride` apart.
+
+  Row ``s * k + i`` (stream s, row i) holds ``stream_s[i * stride : i * stride + row_length]``;
+  each row opens a segment at its first token and at every document start inside it.
+
+  Returns:
+      ``tokens``, ``segment_ids``, ``positions``: ``int32 [num_streams * k, row_length]``.
+  """
+  per_stream = len(stream) // num_streams
+  k = (per_stream - row_length) // stride + 1
+  starts = (np.arange(num_streams)[:, None] * per_stream + np.arange(k)[None, :] * stride).reshape(-1)  # [rows]
+  index = starts[:, None] + np.arange(row_length)[None, :]  # [rows, L]
+  tokens = stream[index].astype(np.int32)
+  opens = doc_starts[index].copy()
+  opens[:, 0] = True
+  segment_ids = np.cumsum(opens, axis=1).astype(np.int32)
+  column = np.broadcast_to(np.arange(row_length), index.shape)
+  last_open = np.maximum.accumulate(np.where(opens, column, 0), axis=1)
+  return {"tokens": tokens, "segment_ids": segment_ids, "positions": (column - last_open).astype(np.int32)}
+
+
 def host_slice(batch: Batch, process_index: int, process_count: int) -> Batch:
   """The contiguous rows of a global batch that belong to one host.
 
@@ -210,6 +233,7 @@ class DataPipeline:
       process_count: int = 1,
       shuffle_rows: bool = True,
       streams: bool = False,
+      stride: int = 0,
   ):
     """Splits, and checks that the corpus can fill a batch.
 
@@ -232,6 +256,9 @@ class DataPipeline:
             of every batch continues row b of the previous batch (XLNet's memory
             needs this). Each stream is a contiguous stretch of the (document-
             shuffled) epoch.
+        stride: with ``streams``, consecutive rows of a stream start ``stride``
+            tokens apart (0 = ``row_length``: no overlap). XLNet uses its reuse
+            length, so that a row's memory is the text right before it.
 
     Raises:
         ValueError: invalid arguments, fewer than 2 documents, or an epoch too
@@ -254,6 +281,9 @@ class DataPipeline:
     self.num_eval_batches = int(eval_batches)
     self.shuffle_rows = bool(shuffle_rows)
     self.streams = bool(streams)
+    self.stride = int(stride) or self.row_length
+    if not 0 < self.stride <= self.row_length:
+      raise ValueError(f"stride={stride} must be in (0, row_length={self.row_length}]")
 
     heldout = heldout_mask(num_documents, eval_fraction)
     if heldout.all():
@@ -270,6 +300,10 @@ class DataPipeline:
 
     train_tokens = len(self._train_flat)
     self.rows_per_epoch = train_tokens // self.row_length
+    if self.streams:  # global_batch streams of train_tokens // global_batch tokens, rows every stride
+      per_stream = train_tokens // self.global_batch
+      rows = (per_stream - self.row_length) // self.stride + 1 if per_stream >= self.row_length else 0
+      self.rows_per_epoch = rows * self.global_batch
     self.batches_per_epoch = self.rows_per_epoch // self.global_batch
     if self.batches_per_epoch == 0:
       raise ValueError(
@@ -311,6 +345,7 @@ class DataPipeline:
       process_count: int = 1,
       cache_dir: str | None = None,
       streams: bool = False,
+      stride: int = 0,
   ) -> "DataPipeline":
     """Tokenizes a corpus and builds the pipeline from ``config.data``.
 
@@ -339,6 +374,7 @@ class DataPipeline:
         process_index=process_index,
         process_count=process_count,
         streams=streams,
+        stride=stride,
     )
 
   # ------------------------------------------------------------------- train
@@ -379,6 +415,8 @@ class DataPipeline:
     stream = self._train_flat[gather]
     doc_starts = np.zeros(len(stream), bool)
     doc_starts[new_starts] = True
+    if self.streams:
+      return pack_streams(stream, doc_starts, self.row_length, self.global_batch, self.stride)
     return pack_stream(stream, doc_starts, self.row_length, pad_tail=False)
 
   def next_batch(self) -> Batch:

@@ -89,6 +89,10 @@ class Objective:
     """Logical axis names of each state array (a tree of tuples matching `init_state`)."""
     return None
 
+  def row_stride(self, seq_len: int) -> int:
+    """With contiguous_rows: tokens between the starts of consecutive rows of a stream (0 = no overlap)."""
+    return 0
+
   def raw_length(self, seq_len: int) -> int:
     """Raw tokens a packed row must hold for model sequence length `seq_len`."""
     return seq_len

@@ -6,7 +6,7 @@ attention masks.
 
 A row of t = seq_len tokens is cut into two halves, the "reuse" half [0, reuse_len) and the
 rest [reuse_len, t), as in zihangdai/xlnet (the reuse half is what becomes the next step's
-memory once memory is wired in).
+memory).
 
 - Targets (`sample_targets`), per half, with goals ceil(num_predict/2) for the reuse half and
   floor(num_predict/2) for the rest (85 -> 43 + 42):
@@ -46,10 +46,18 @@ memory once memory is wired in).
   softmax over masked keys).
 - Loss: Σ CE · target_mask / Σ target_mask over the query stream's logits.
 
-For now (single-segment rows, no memory): token_types are 0 everywhere, func tokens are the
-`ids.sep` / `ids.cls` occurrences in the row, mems are None and bi_sign None. XLNet's raw
-row layout [reuse, A, SEP, B, SEP, CLS] with types 0/1/2, memory over contiguous streams and
-bi_data are data-side / state hooks still to add.
+Memory (model.mem_len > 0): the objective is stateful. Its state is the memory [layers, batch,
+mem_len, d_model] (zeros at the start), passed to the model as `mems` with the memory columns
+always visible, and replaced by the model's new memory after every step; the loop checkpoints
+it. Rows are contiguous text streams that advance by reuse_len (`row_stride`), so the memory
+of a row's first reuse_len positions is the text right before the next row. Evaluation runs
+without memory.
+
+Not yet: XLNet's raw row layout [reuse, A, SEP, B, SEP, CLS] with token types 0/1/2 (rows are
+one segment with token types 0; func tokens are the `ids.sep` / `ids.cls` that occur) and
+bi_data (reversed rows with bi_sign = -1; the model supports it). Within a row, attention does
+not cross packed documents, while the memory does carry the previous text of the stream,
+documents included, as XLNet's streams do.
 """
 
 import dataclasses
@@ -352,6 +360,24 @@ class PermutationLM(Objective):
   bi_data: bool = False
 
   families = ("xlnet",)
+  # Rows are contiguous streams advancing by reuse_len, and the memory (model.mem_len > 0) is
+  # carried from step to step in the objective state.
+  stateful = True
+  contiguous_rows = True
+
+  def init_state(self, batch_size: int, model_cfg):
+    """Zero memory [layers, batch, mem_len, d_model] (XLNet starts from zeros), or None."""
+    if not model_cfg.mem_len:
+      return None
+    return jnp.zeros((model_cfg.num_layers, batch_size, model_cfg.mem_len, model_cfg.d_model), jnp.float32)
+
+  def state_axes(self):
+    return ("layers", "act_batch", "act_length", "act_embed")
+
+  def row_stride(self, seq_len: int) -> int:
+    """Consecutive rows of a stream start reuse_len tokens apart: the memory built from a row's
+    first reuse_len positions is then exactly the text before the next row."""
+    return self.lengths(seq_len)[1]
 
   def __post_init__(self):
     if self.target_mode not in ("span", "last"):
@@ -402,13 +428,24 @@ class PermutationLM(Objective):
             "targets": targets, "is_func": is_func, "content_mask": content, "query_mask": query,
             "target_mapping": mapping, "target_ids": target_ids, "target_mask": target_mask}
 
-  def loss_on_features(self, model, params, x: dict[str, jax.Array], rng: jax.Array, *, train: bool):
-    """(loss, metrics) of the model on prepared `features`."""
-    logits, _ = model.apply(
-        {"params": params}, x["tokens"], x["token_types"], x["content_mask"], x["query_mask"],
-        x["target_mapping"], None, None, train=train, rngs={"dropout": rng})  # [b, n, v]
-    return ops.weighted_cross_entropy(logits, x["target_ids"], x["target_mask"], z_loss=self.z_loss)
+  def loss_on_features(self, model, params, x: dict[str, jax.Array], rng: jax.Array, *, train: bool, mems=None):
+    """(loss, metrics) of the model on prepared `features`; metrics["state"] = the new memory
+    when `mems` [l, b, m, e] is given (memory columns are always visible)."""
+    content, query = x["content_mask"], x["query_mask"]
+    if mems is not None:
+      visible = jnp.ones(content.shape[:2] + (mems.shape[2],), bool)  # [b, t, m]
+      content = jnp.concatenate([visible, content], axis=-1)  # [b, t, m + t]
+      query = jnp.concatenate([visible, query], axis=-1)
+    logits, new_mems = model.apply(
+        {"params": params}, x["tokens"], x["token_types"], content, query,
+        x["target_mapping"], mems, None, train=train, rngs={"dropout": rng})  # [b, n, v]
+    loss, metrics = ops.weighted_cross_entropy(logits, x["target_ids"], x["target_mask"], z_loss=self.z_loss)
+    if mems is not None:
+      metrics = dict(metrics, state=new_mems)
+    return loss, metrics
 
-  def loss(self, model, params, batch, rng, *, train):
+  def loss(self, model, params, batch, rng, *, train, state=None):
+    """`state` is the memory carried from the previous step (None: no memory, e.g. eval)."""
     feature_rng, dropout_rng = jax.random.split(rng)
-    return self.loss_on_features(model, params, self.features(batch, feature_rng), dropout_rng, train=train)
+    return self.loss_on_features(model, params, self.features(batch, feature_rng), dropout_rng, train=train,
+                                 mems=state)
