@@ -123,8 +123,17 @@ def get_config() -> ml_collections.ConfigDict:
   # permutation_lm: 'span' (XLNet's span sampler) or 'last' (the last 1/K of each half's
   # factorization order).
   c.objective.target_mode = "span"
-  # permutation_lm: forward and reversed rows (not implemented yet; must stay False).
+  # permutation_lm: XLNet's bi_data. The second half of every batch reads the first half's text
+  # streams backwards, and the xlnet family negates their relative distances (even batch size).
   c.objective.bi_data = False
+  # permutation_lm: 'xlnet' = XLNet's row [reuse, A, <sep>, B, <sep>, <cls>] with token types
+  # 0/1/2, built from seq_len - 3 stream tokens, attention crossing the stream's documents (as
+  # the memory does); 'plain' = the packed row as is, attention inside each document.
+  c.objective.row_layout = "xlnet"
+  # permutation_lm, XLNet layout: probability that B is random text instead of A's continuation.
+  c.objective.random_b_rate = 0.5
+  # permutation_lm: spans start at a word start (XLNet's sampler; sentencepiece '▁' pieces).
+  c.objective.word_spans = False
 
   # ---------------------------------------------------------------- data
   c.data = ml_collections.ConfigDict()

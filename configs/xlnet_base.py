@@ -5,10 +5,12 @@ span sampler with alpha 6, beta 1, untied relative biases, no clamping.
 
     python -m tfx.train --config configs/xlnet_base.py --workdir runs/xlnet_base
 
-The memory is carried from step to step: rows are contiguous text streams that advance by
-reuse_len (256), so the memory built from a row's first 256 positions is the text right before
-the next row. Not implemented yet: the A/B + sep + cls row layout (rows are one segment,
-token types 0) and bi_data; see tfx/objectives/permutation_lm.py.
+Rows are XLNet's [reuse 256, A, <sep>, B, <sep>, <cls>] with token types 0/1/2, built from
+contiguous text streams that advance by reuse_len (256), so the memory built from a row's first
+256 positions is the text right before the next row; B continues A or (half the time) is random
+text. bi_data: the second half of every batch reads the same streams backwards, with negated
+relative distances. Spans start at word starts, as XLNet's sampler. See
+tfx/objectives/permutation_lm.py.
 """
 
 import ml_collections
@@ -42,6 +44,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.objective.perm_size = 256
   c.objective.mask_alpha = 6.0
   c.objective.mask_beta = 1.0
+  c.objective.row_layout = "xlnet"
+  c.objective.bi_data = True
+  c.objective.word_spans = True
   c.data.seq_len = 512
   c.data.vocab_size = 32000
   c.train.batch_size = 32

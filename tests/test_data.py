@@ -573,3 +573,32 @@ def test_strided_streams_overlap_by_the_stride():
     assert np.all(row_pos[after_eos] == 0)
   with pytest.raises(ValueError, match="stride"):
     make_pipeline(docs, streams=True, stride=17)
+
+
+def test_reversed_streams_read_the_forward_streams_backwards():
+  """reversed_streams (XLNet bi_data): rows [B/2, B) are the streams of rows [0, B/2) read from
+  their end, rows still follow each other by the stride, and reversed documents open at EOS."""
+  docs = synthetic_documents(60)
+  pipeline = make_pipeline(docs, global_batch=4, streams=True, stride=6, reversed_streams=True)
+  forward = make_pipeline(docs, global_batch=2, streams=True, stride=6)
+  assert pipeline.batches_per_epoch == forward.batches_per_epoch
+  batches = take(pipeline, pipeline.batches_per_epoch)
+  fwd = take(forward, forward.batches_per_epoch)
+  for got, want in zip(batches, fwd):
+    np.testing.assert_array_equal(got["tokens"][:2], want["tokens"])
+  # Stream s read backwards: the concatenation of the reversed rows (by stride) is the reverse of
+  # the forward stream's text.
+  per_stream = len(pipeline._train_flat) // 2
+  rows = pipeline.epoch_rows(0)
+  k = pipeline.batches_per_epoch
+  for s in range(2):
+    stream = pipeline.epoch_stream(0)[0][s * per_stream:(s + 1) * per_stream]
+    backwards = np.concatenate([b["tokens"][2 + s, :6] for b in batches])
+    np.testing.assert_array_equal(backwards, stream[::-1][:6 * k])
+  b1, b2 = batches[0], batches[1]
+  np.testing.assert_array_equal(b2["tokens"][2:, :10], b1["tokens"][2:, 6:])
+  for row_tokens, row_pos in zip(rows["tokens"][2 * k:], rows["positions"][2 * k:]):
+    starts = np.flatnonzero(row_tokens == EOS)
+    assert np.all(row_pos[starts] == 0) and row_pos[0] == 0
+  with pytest.raises(ValueError, match="even"):
+    make_pipeline(docs, global_batch=3, streams=True, reversed_streams=True)

@@ -12,7 +12,7 @@ import pytest
 from tfx.objectives.base import SpecialIds
 from tfx.objectives.permutation_lm import (
     PermutationLM, half_goals, local_permutation, permutation_masks, resolve_lengths, row_order, sample_targets,
-    span_phase, span_targets, target_mapping, xlnet_perm_mask)
+    span_phase, span_targets, target_mapping, xlnet_perm_mask, xlnet_rows)
 from tfx.registry import OBJECTIVES
 
 VOCAB = 64
@@ -75,6 +75,11 @@ class FakeXLNet:
 # ----------------------------------------------------------------------------- helpers
 
 
+def plm(**kwargs) -> PermutationLM:
+  """The objective on packed rows as they are (func tokens wherever SEP/CLS occur)."""
+  return PermutationLM(IDS, row_layout="plain", **kwargs)
+
+
 def random_rows(rng: jax.Array, b: int, t: int, func_rate: float = 0.08, pad_from: int | None = None):
   """Tokens [b, t] with SEP/CLS sprinkled in at `func_rate`, segment_ids (padding from `pad_from`)."""
   tok_rng, func_rng, kind_rng = jax.random.split(rng, 3)
@@ -112,9 +117,10 @@ def bool_power(m: np.ndarray, k: int) -> np.ndarray:
 
 def test_registered_and_lengths():
   assert OBJECTIVES.get("permutation_lm") is PermutationLM
-  assert PermutationLM.families == ("xlnet",)
+  assert PermutationLM.families == ("xlnet", "encoder")
   objective = PermutationLM(IDS)
-  assert objective.raw_length(512) == 512
+  assert objective.raw_length(512) == 509  # + SEP, SEP, CLS
+  assert plm().raw_length(512) == 512
   assert objective.lengths(512) == (85, 256, 256)
   assert half_goals(85) == (43, 42) and half_goals(11) == (6, 5)
   assert resolve_lengths(64, perm_size=8) == (11, 32, 8)  # round(64/6) = round(10.67) = 11
@@ -122,8 +128,8 @@ def test_registered_and_lengths():
   assert resolve_lengths(27, perm_size=1) == (4, 13, 1)  # round(4.5) = 4 (half to even)
   with pytest.raises(ValueError, match="perm_size"):
     resolve_lengths(64, reuse_len=24, perm_size=16)
-  with pytest.raises(NotImplementedError, match="bi_data"):
-    PermutationLM(IDS, bi_data=True)
+  with pytest.raises(ValueError, match="row_layout"):
+    PermutationLM(IDS, row_layout="bert")
   with pytest.raises(ValueError, match="target_mode"):
     PermutationLM(IDS, target_mode="first")
 
@@ -275,7 +281,7 @@ def test_spans_avoid_func_and_padding():
 
 def test_last_mode_picks_the_end_of_the_order():
   t = 32
-  objective = PermutationLM(IDS, target_mode="last", num_predict=8)
+  objective = plm(target_mode="last", num_predict=8)
   batch = random_rows(jax.random.PRNGKey(9), DRAWS, t, func_rate=0.1)
   x = features(objective, batch, jax.random.PRNGKey(10))
   eligible = ~x["is_func"]
@@ -292,7 +298,7 @@ def test_last_mode_picks_the_end_of_the_order():
 
 def test_features_counts_and_determinism():
   t = 48
-  objective = PermutationLM(IDS, perm_size=8)
+  objective = plm(perm_size=8)
   batch = random_rows(jax.random.PRNGKey(11), 64, t, func_rate=0.1)
   x = features(objective, batch, jax.random.PRNGKey(12))
   assert x["target_mapping"].shape == (64, 8, t) and x["content_mask"].shape == (64, t, t)
@@ -313,7 +319,7 @@ def test_features_counts_and_determinism():
 
 
 def test_row_with_all_targets_drops_keyless_predictions():
-  objective = PermutationLM(IDS, num_predict=8, reuse_len=4)  # 4 + 4 targets: every position of a row of 8
+  objective = plm(num_predict=8, reuse_len=4)  # 4 + 4 targets: every position of a row of 8
   batch = random_rows(jax.random.PRNGKey(15), 16, 8, func_rate=0.0)
   x = features(objective, batch, jax.random.PRNGKey(16))
   assert x["targets"].all()
@@ -326,7 +332,7 @@ def test_information_flow_gradients():
   model = FakeXLNet(layers=3)
   p = model.init(jax.random.PRNGKey(0))["params"]
   t, draws = 16, 48
-  objective = PermutationLM(IDS, num_predict=6, perm_size=4)
+  objective = plm(num_predict=6, perm_size=4)
   batch = random_rows(jax.random.PRNGKey(17), draws, t, func_rate=0.12)
   x = features(objective, batch, jax.random.PRNGKey(18))
   e = jax.random.normal(jax.random.PRNGKey(19), (draws, t, model.d))
@@ -354,7 +360,7 @@ def test_information_flow_gradients():
 def test_information_flow_reachability_many_draws():
   """§5 flow rules as graph reachability over 4 layers and DRAWS random masks."""
   t, layers = 24, 4
-  objective = PermutationLM(IDS, num_predict=8, perm_size=6)
+  objective = plm(num_predict=8, perm_size=6)
   batch = random_rows(jax.random.PRNGKey(20), DRAWS, t, func_rate=0.1)
   x = features(objective, batch, jax.random.PRNGKey(21))
   c, q = x["content_mask"], x["query_mask"]
@@ -376,7 +382,7 @@ def test_information_flow_reachability_many_draws():
 def test_loss_end_to_end_and_padded_prediction_rows():
   model = FakeXLNet()
   params = model.init(jax.random.PRNGKey(0))["params"]
-  objective = PermutationLM(IDS, perm_size=8)
+  objective = plm(perm_size=8)
   batch = random_rows(jax.random.PRNGKey(22), 4, 32, func_rate=0.1)
   rng = jax.random.PRNGKey(23)
 
@@ -405,7 +411,7 @@ def test_loss_end_to_end_and_padded_prediction_rows():
 def test_padding_tokens_do_not_matter():
   model = FakeXLNet()
   params = model.init(jax.random.PRNGKey(0))["params"]
-  objective = PermutationLM(IDS, perm_size=8)
+  objective = plm(perm_size=8)
   batch = random_rows(jax.random.PRNGKey(24), 4, 32, pad_from=22)
   changed = dict(batch, tokens=jnp.where(batch["segment_ids"] > 0, batch["tokens"], 40))
   loss_fn = jax.jit(lambda batch: objective.loss(model, params, batch, jax.random.PRNGKey(25), train=False)[0])
@@ -425,7 +431,7 @@ def test_real_xlnet_model():
   model = xlnet.XLNet(ModelConfig.from_config(cfg.model, vocab_size=VOCAB, max_length=t))
   variables = model.init(jax.random.PRNGKey(0), **xlnet.XLNet.init_inputs(b, t))
   params = nn.unbox(variables["params"])
-  objective = PermutationLM(IDS, perm_size=8)
+  objective = plm(perm_size=8)
   batch = random_rows(jax.random.PRNGKey(1), b, t, func_rate=0.1)
   rng = jax.random.PRNGKey(2)
   loss, metrics = jax.jit(lambda p: objective.loss(model, p, batch, rng, train=False))(params)
@@ -451,3 +457,139 @@ def test_real_xlnet_model():
       if i < 16:
         assert not dep[r, m, 16:].any()
       assert dep[r, m].any()
+
+
+# ----------------------------------------------------------------------------- XLNet row layout, bi_data
+
+
+def test_xlnet_row_layout():
+  """[reuse, A, SEP, B, SEP, CLS] from raw stream rows: A follows the reuse part, B continues A
+  or is a contiguous stretch of another row of the same group, token types 0/1/2."""
+  b, raw, reuse = 256, 29, 12
+  t, n = raw + 3, raw - reuse
+  tokens = 9 + jnp.arange(b * raw, dtype=jnp.int32).reshape(b, raw)  # every raw token unique
+  segment_ids = jnp.ones((b, raw), jnp.int32)
+  rows = jax.jit(lambda k: xlnet_rows(tokens, segment_ids, k, reuse_len=reuse, sep=IDS.sep, cls=IDS.cls,
+                                      pad=IDS.pad, groups=2))(jax.random.PRNGKey(30))
+  rows = {k: np.asarray(v) for k, v in rows.items()}
+  raw_np = np.asarray(tokens)
+  continued = 0
+  for r in range(b):
+    x, types = rows["tokens"][r], rows["token_types"][r]
+    seps = np.flatnonzero(x == IDS.sep)
+    assert len(seps) == 2 and seps[1] == t - 2 and x[t - 1] == IDS.cls
+    a_end = seps[0]
+    assert reuse + 1 <= a_end <= reuse + n - 1  # 1 <= len(A) <= n - 1
+    np.testing.assert_array_equal(x[:a_end], raw_np[r, :a_end])  # reuse part, then A
+    b_part = x[a_end + 1:t - 2]
+    assert len(b_part) == n - (a_end - reuse)
+    if (b_part == raw_np[r, a_end:raw]).all():
+      continued += 1
+    else:  # random B: a contiguous stretch of one other row, in the same half of the batch
+      source = (b_part[0] - 9) // raw
+      assert source != r and (source < b // 2) == (r < b // 2)
+      np.testing.assert_array_equal(np.diff(b_part), 1)
+      assert (b_part[-1] - 9) // raw == source
+    np.testing.assert_array_equal(types, np.where(np.arange(t) <= a_end, 0, np.where(np.arange(t) == t - 1, 2, 1)))
+    np.testing.assert_array_equal(np.flatnonzero(rows["is_func"][r]), [a_end, t - 2, t - 1])
+  assert (rows["segment_ids"] == 1).all()
+  assert abs(continued / b - 0.5) < 4 * np.sqrt(0.25 / b)
+  # Padding stays padding (segment 0, pad id); a row without text has no real SEP/CLS either.
+  padded = jnp.where(jnp.arange(raw) < 20, segment_ids, 0).at[0].set(0)
+  rows = xlnet_rows(tokens, padded, jax.random.PRNGKey(31), reuse_len=reuse, sep=IDS.sep, cls=IDS.cls, pad=IDS.pad,
+                    random_b_rate=0.0)
+  real, x = np.asarray(rows["segment_ids"]) > 0, np.asarray(rows["tokens"])
+  assert not real[0].any() and (x[~real & ~np.asarray(rows["is_func"])] == IDS.pad).all()
+  assert real[1:, -1].all() and (real[1:, :20]).all()
+
+
+def test_xlnet_layout_features():
+  objective = PermutationLM(IDS, perm_size=8)
+  raw = objective.raw_length(32)
+  batch = random_rows(jax.random.PRNGKey(32), 64, raw, func_rate=0.0)
+  x = features(objective, batch, jax.random.PRNGKey(33))
+  assert x["tokens"].shape == (64, 32) and objective.lengths(32) == (5, 16, 8)
+  assert not (x["targets"] & x["is_func"]).any()
+  assert (x["target_mask"].sum(1) == 5).all()
+  assert set(np.unique(x["token_types"])) == {0, 1, 2}
+  np.testing.assert_array_equal(x["positions"], np.broadcast_to(np.arange(32), (64, 32)))
+  # The row is one text: without padding, a non-target sees every non-target of its half.
+  nonmask = ~x["targets"] & ~x["is_func"]
+  half = np.arange(32) >= 16
+  both = nonmask[:, :, None] & nonmask[:, None, :] & (half[:, None] == half[None, :])[None]
+  assert x["query_mask"][both].all()
+  with pytest.raises(ValueError, match="reuse_len"):
+    PermutationLM(IDS, reuse_len=28, perm_size=4).features(random_rows(jax.random.PRNGKey(0), 2, 29), jax.random.PRNGKey(0))
+
+
+def test_word_spans_start_at_word_starts():
+  word_start = np.zeros(VOCAB, bool)
+  word_start[9::3] = True  # every third ordinary id starts a word
+  objective = plm(num_predict=12, perm_size=8, word_spans=True, target_mode="span")
+  with pytest.raises(ValueError, match="with_word_start"):
+    objective.features(random_rows(jax.random.PRNGKey(0), 2, 48), jax.random.PRNGKey(0))
+  objective = objective.with_word_start(word_start)
+  assert objective.needs_word_start()
+  batch = random_rows(jax.random.PRNGKey(34), 256, 48, func_rate=0.0)
+
+  def start_rate(objective):  # fraction of targets that open a run of targets and start a word
+    x = features(objective, batch, jax.random.PRNGKey(35))
+    first = x["targets"] & ~np.pad(x["targets"][:, :-1], ((0, 0), (1, 0)))
+    return word_start[x["tokens"]][first].mean()
+
+  # The span sampler itself is tested in test_spans_avoid_func_and_padding; here the objective
+  # must hand it the word starts of its tokens (the random fill-up singles are never aligned).
+  assert start_rate(objective) > start_rate(plm(num_predict=12, perm_size=8)) + 0.15
+
+
+class SignSpy(FakeXLNet):
+  """FakeXLNet that records the bi_sign it is given."""
+
+  def apply(self, variables, tokens, token_types, content_mask, query_mask, target_mapping, mems, bi_sign, **kw):
+    self.seen.append(bi_sign)
+    return super().apply(variables, tokens, token_types, content_mask, query_mask, target_mapping, mems, None, **kw)
+
+
+def test_bi_data_signs_reach_the_model():
+  model = SignSpy()
+  object.__setattr__(model, "seen", [])
+  params = model.init(jax.random.PRNGKey(0))["params"]
+  objective = plm(perm_size=8, bi_data=True)
+  assert objective.reversed_streams()
+  batch = random_rows(jax.random.PRNGKey(36), 6, 32)
+  objective.loss(model, params, batch, jax.random.PRNGKey(37), train=True)
+  objective.loss(model, params, batch, jax.random.PRNGKey(37), train=False)
+  np.testing.assert_array_equal(model.seen[0], [1, 1, 1, -1, -1, -1])
+  assert model.seen[1] is None  # eval batches are forward text
+
+
+def test_reversed_row_with_negated_distances_equals_forward_row():
+  """The point of bi_data's sign flip: an xlnet model given a row reversed (tokens, types, masks,
+  targets) with bi_sign = -1 computes exactly what it computes on the forward row with +1."""
+  xlnet = pytest.importorskip("tfx.models.xlnet")
+  import flax.linen as nn
+
+  from tests.conftest import tiny_config
+  from tfx.nn.layers import ModelConfig
+
+  t, b = 32, 4
+  # A large init makes the position term matter (at 0.02 it moves logits by ~1e-5).
+  cfg = tiny_config("--config.model.family=xlnet", "--config.model.dropout=0.0", "--config.model.init_std=0.3")
+  model = xlnet.XLNet(ModelConfig.from_config(cfg.model, vocab_size=VOCAB, max_length=t))
+  params = nn.unbox(model.init(jax.random.PRNGKey(0), **xlnet.XLNet.init_inputs(b, t))["params"])
+  objective = PermutationLM(IDS, perm_size=8)
+  x = features(objective, random_rows(jax.random.PRNGKey(38), b, t - 3), jax.random.PRNGKey(39))
+  flip = lambda a, axes: np.flip(a, axes)
+  rev = {"tokens": flip(x["tokens"], 1), "token_types": flip(x["token_types"], 1),
+         "content_mask": flip(x["content_mask"], (1, 2)), "query_mask": flip(x["query_mask"], (1, 2)),
+         "target_mapping": flip(x["target_mapping"], 2)}
+
+  def logits(y, sign):
+    out, _ = model.apply({"params": params}, y["tokens"], y["token_types"], y["content_mask"], y["query_mask"],
+                         y["target_mapping"], None, jnp.full((b,), sign, jnp.float32))
+    return np.asarray(out)
+
+  forward = logits(x, 1.0)
+  flipped = np.abs(logits(rev, -1.0) - forward).max()
+  unflipped = np.abs(logits(rev, 1.0) - forward).max()  # without the flip, direction matters
+  assert flipped < 1e-4 * np.abs(forward).max() and unflipped > 1e3 * flipped, (flipped, unflipped)

@@ -76,7 +76,8 @@ def test_every_family_and_objective_trains_end_to_end(tmp_path, config_name, ext
 XLNET_MEMORY = ["--config.model.family=xlnet", "--config.objective.name=permutation_lm", "--config.model.norm=post",
                 "--config.model.position=relative", "--config.model.mlp=gelu_exact", "--config.model.scan_layers=false",
                 "--config.model.mem_len=48", "--config.model.reuse_len=32", "--config.objective.reuse_len=32",
-                "--config.objective.perm_size=32"]
+                "--config.objective.perm_size=32", "--config.objective.row_layout=xlnet", "--config.objective.bi_data=true",
+                "--config.objective.word_spans=true"]
 
 
 @pytest.mark.parametrize("overrides", [[], ENCODER_MLM, T5_SPANS, XLNET_MEMORY],

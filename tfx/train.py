@@ -89,14 +89,15 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> Experiment:
   except (ValueError, FileNotFoundError) as e:
     raise DataError(str(e)) from e
   objective = OBJECTIVES.get(config.objective.name).from_config(config.objective, SpecialIds.from_tokenizer(tokenizer))
-  if getattr(objective, "whole_word", False):
+  if objective.needs_word_start():
     objective = objective.with_word_start(tuple(bool(b) for b in tokenizer.word_start_mask()))
   model = build_model(config.model, vocab_size=tokenizer.vocab_size, max_length=d.seq_len)
   pipeline = DataPipeline.from_config(
       d, tokenizer, corpus, row_length=objective.raw_length(d.seq_len), global_batch=config.train.batch_size,
       seed=config.train.seed, process_index=jax.process_index(), process_count=jax.process_count(),
       streams=objective.contiguous_rows,
-      stride=objective.row_stride(d.seq_len) if objective.contiguous_rows else 0)
+      stride=objective.row_stride(d.seq_len) if objective.contiguous_rows else 0,
+      reversed_streams=objective.contiguous_rows and objective.reversed_streams())
   tx, schedule = make_optimizer(config)
   return Experiment(config, workdir, tokenizer, objective, model, pipeline, parallel.make_mesh(config.mesh), tx, schedule)
 

@@ -168,25 +168,38 @@ def pack_stream(stream: np.ndarray, doc_starts: np.ndarray, row_length: int,
 
 
 def pack_streams(stream: np.ndarray, doc_starts: np.ndarray, row_length: int, num_streams: int,
-                 stride: int) -> Batch:
+                 stride: int, *, reversed_copies: bool = False) -> Batch:
   """Cuts a token stream into `num_streams` equal streams and each into rows `stride` apart.
 
   Row ``s * k + i`` (stream s, row i) holds ``stream_s[i * stride : i * stride + row_length]``;
   each row opens a segment at its first token and at every document start inside it.
 
+  With ``reversed_copies`` (XLNet's bi_data) there are ``2 * num_streams`` streams: stream
+  ``num_streams + s`` is stream s read backwards (from its last token to its first), so its
+  rows also follow each other ``stride`` apart and a row's memory is again the text "before"
+  it in reading order. A reversed document starts at its (reversed) EOS.
+
   Returns:
-      ``tokens``, ``segment_ids``, ``positions``: ``int32 [num_streams * k, row_length]``.
+      ``tokens``, ``segment_ids``, ``positions``: ``int32 [streams * k, row_length]``.
   """
   per_stream = len(stream) // num_streams
   k = (per_stream - row_length) // stride + 1
-  starts = (np.arange(num_streams)[:, None] * per_stream + np.arange(k)[None, :] * stride).reshape(-1)  # [rows]
-  index = starts[:, None] + np.arange(row_length)[None, :]  # [rows, L]
-  tokens = stream[index].astype(np.int32)
-  opens = doc_starts[index].copy()
-  opens[:, 0] = True
-  segment_ids = np.cumsum(opens, axis=1).astype(np.int32)
-  column = np.broadcast_to(np.arange(row_length), index.shape)
-  last_open = np.maximum.accumulate(np.where(opens, column, 0), axis=1)
+  streams = stream[:per_stream * num_streams].reshape(num_streams, per_stream)  # [s, n]
+  opens = doc_starts[:per_stream * num_streams].reshape(num_streams, per_stream)
+  if reversed_copies:
+    # Reading backwards, a document opens where the forward one closed: at the token before a
+    # forward start (and at the stream's last token).
+    closes = np.concatenate([opens[:, 1:], np.ones((num_streams, 1), bool)], axis=1)
+    streams = np.concatenate([streams, streams[:, ::-1]])
+    opens = np.concatenate([opens, closes[:, ::-1]])
+  starts = np.arange(k) * stride  # [k]
+  index = starts[:, None] + np.arange(row_length)[None, :]  # [k, L]
+  tokens = streams[:, index].reshape(-1, row_length).astype(np.int32)  # [streams * k, L]
+  row_opens = opens[:, index].reshape(-1, row_length).copy()
+  row_opens[:, 0] = True
+  segment_ids = np.cumsum(row_opens, axis=1).astype(np.int32)
+  column = np.broadcast_to(np.arange(row_length), row_opens.shape)
+  last_open = np.maximum.accumulate(np.where(row_opens, column, 0), axis=1)
   return {"tokens": tokens, "segment_ids": segment_ids, "positions": (column - last_open).astype(np.int32)}
 
 
@@ -234,6 +247,7 @@ class DataPipeline:
       shuffle_rows: bool = True,
       streams: bool = False,
       stride: int = 0,
+      reversed_streams: bool = False,
   ):
     """Splits, and checks that the corpus can fill a batch.
 
@@ -259,6 +273,9 @@ class DataPipeline:
         stride: with ``streams``, consecutive rows of a stream start ``stride``
             tokens apart (0 = ``row_length``: no overlap). XLNet uses its reuse
             length, so that a row's memory is the text right before it.
+        reversed_streams: with ``streams`` (XLNet's bi_data): rows ``[0, B/2)`` of
+            every global batch are ``B/2`` forward streams and rows ``[B/2, B)`` are
+            the same streams read backwards. ``global_batch`` must be even.
 
     Raises:
         ValueError: invalid arguments, fewer than 2 documents, or an epoch too
@@ -284,6 +301,10 @@ class DataPipeline:
     self.stride = int(stride) or self.row_length
     if not 0 < self.stride <= self.row_length:
       raise ValueError(f"stride={stride} must be in (0, row_length={self.row_length}]")
+    self.reversed_streams = bool(reversed_streams)
+    if self.reversed_streams and (not self.streams or self.global_batch % 2):
+      raise ValueError(f"reversed streams (objective.bi_data) need contiguous streams and an even global batch, "
+                       f"got train.batch_size={self.global_batch}; use an even batch size")
 
     heldout = heldout_mask(num_documents, eval_fraction)
     if heldout.all():
@@ -301,7 +322,7 @@ class DataPipeline:
     train_tokens = len(self._train_flat)
     self.rows_per_epoch = train_tokens // self.row_length
     if self.streams:  # global_batch streams of train_tokens // global_batch tokens, rows every stride
-      per_stream = train_tokens // self.global_batch
+      per_stream = train_tokens // self._forward_streams
       rows = (per_stream - self.row_length) // self.stride + 1 if per_stream >= self.row_length else 0
       self.rows_per_epoch = rows * self.global_batch
     self.batches_per_epoch = self.rows_per_epoch // self.global_batch
@@ -346,6 +367,7 @@ class DataPipeline:
       cache_dir: str | None = None,
       streams: bool = False,
       stride: int = 0,
+      reversed_streams: bool = False,
   ) -> "DataPipeline":
     """Tokenizes a corpus and builds the pipeline from ``config.data``.
 
@@ -355,8 +377,8 @@ class DataPipeline:
             defaults 0.02 and 4.
         tokenizer: gives the EOS id and encodes the corpus.
         corpus: the documents.
-        row_length, global_batch, seed, process_index, process_count: see
-            :meth:`__init__`.
+        row_length, global_batch, seed, process_index, process_count, streams, stride,
+            reversed_streams: see :meth:`__init__`.
         cache_dir: optional directory for cached token arrays.
     """
     eos_id = tokenizer.eos_id
@@ -375,6 +397,7 @@ class DataPipeline:
         process_count=process_count,
         streams=streams,
         stride=stride,
+        reversed_streams=reversed_streams,
     )
 
   # ------------------------------------------------------------------- train
@@ -390,6 +413,11 @@ class DataPipeline:
       self._cached_order = self.row_order(epoch)
       self._cached_epoch = epoch
     return self._cached_rows
+
+  @property
+  def _forward_streams(self) -> int:
+    """Distinct text streams per epoch (half the batch when the other half reads them backwards)."""
+    return self.global_batch // 2 if self.reversed_streams else self.global_batch
 
   def epoch_order(self, epoch: int) -> np.ndarray:
     """Train documents (indices into the train split) in epoch ``epoch``'s order."""
@@ -407,6 +435,14 @@ class DataPipeline:
     return np.random.default_rng([self.seed, epoch, 1]).permutation(self.rows_per_epoch)
 
   def _pack_epoch(self, epoch: int) -> Batch:
+    stream, doc_starts = self.epoch_stream(epoch)
+    if self.streams:
+      return pack_streams(stream, doc_starts, self.row_length, self._forward_streams, self.stride,
+                          reversed_copies=self.reversed_streams)
+    return pack_stream(stream, doc_starts, self.row_length, pad_tail=False)
+
+  def epoch_stream(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens int32 [n], doc_starts bool [n]): the train documents of epoch `epoch`, in order."""
     order = self.epoch_order(epoch)
     starts = self._train_offsets[:-1][order]
     lengths = np.diff(self._train_offsets)[order]
@@ -415,9 +451,7 @@ class DataPipeline:
     stream = self._train_flat[gather]
     doc_starts = np.zeros(len(stream), bool)
     doc_starts[new_starts] = True
-    if self.streams:
-      return pack_streams(stream, doc_starts, self.row_length, self.global_batch, self.stride)
-    return pack_stream(stream, doc_starts, self.row_length, pad_tail=False)
+    return stream, doc_starts
 
   def next_batch(self) -> Batch:
     """The next train batch for this host.

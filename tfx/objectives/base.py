@@ -15,7 +15,10 @@ Stateful objectives (XLNet's memory over contiguous streams) set `stateful = Tru
 their initial state from `init_state` (global-batch shaped, with logical axis names from
 `state_axes`), take `state=` in `loss` and return the next state as `metrics["state"]`. The
 loop keeps it in the train state, shards it like activations and checkpoints it. They also set
-`contiguous_rows = True` so that row b of step s+1 continues row b of step s.
+`contiguous_rows = True` so that row b of step s+1 continues row b of step s (`row_stride`
+tokens later; `reversed_streams` for XLNet's bi_data). `raw_length` is the raw row an objective
+turns into a model row of `seq_len` tokens (its raw-row hook: span corruption needs more raw
+tokens, XLNet's SEP/SEP/CLS layout fewer).
 """
 
 import dataclasses
@@ -92,6 +95,19 @@ class Objective:
   def row_stride(self, seq_len: int) -> int:
     """With contiguous_rows: tokens between the starts of consecutive rows of a stream (0 = no overlap)."""
     return 0
+
+  def reversed_streams(self) -> bool:
+    """With contiguous_rows: the second half of every batch reads the first half's streams
+    backwards (XLNet's bi_data)."""
+    return False
+
+  def needs_word_start(self) -> bool:
+    """Needs the tokenizer's word starts (attach them with `with_word_start`)."""
+    return False
+
+  def with_word_start(self, word_start) -> "Objective":
+    """A copy that knows which ids start a word (bool [v], `Tokenizer.word_start_mask()`)."""
+    raise NotImplementedError(f"{type(self).__name__} does not use word starts")
 
   def raw_length(self, seq_len: int) -> int:
     """Raw tokens a packed row must hold for model sequence length `seq_len`."""

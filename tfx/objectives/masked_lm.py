@@ -183,6 +183,9 @@ class MaskedLM(Objective):
     if self.word_start is not None and len(self.word_start) != self.ids.vocab_size:
       raise ValueError(f"word_start has {len(self.word_start)} entries, expected vocab_size={self.ids.vocab_size}")
 
+  def needs_word_start(self) -> bool:
+    return self.whole_word
+
   def with_word_start(self, word_start) -> "MaskedLM":
     """A copy that knows which ids start a word (bool [v], `Tokenizer.word_start_mask()`)."""
     return dataclasses.replace(self, word_start=tuple(bool(x) for x in np.asarray(word_start)))

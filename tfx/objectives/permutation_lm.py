@@ -38,8 +38,9 @@ memory).
       query    = ~perm;   content = query with the diagonal set
 
   Across halves: first-half rows see nothing of the second half; second-half rows see all of
-  the first half. On top (tfx packing), attention never crosses documents and never reaches
-  padding (segment 0); a padding row sees only itself.
+  the first half. On top, attention never crosses segment ids (documents in the plain
+  layout; the XLNet layout makes the row one segment) and never reaches padding (segment 0);
+  a padding row sees only itself.
 - Predictions (`target_mapping`): one one-hot row per target, in position order, zero rows
   after, num_predict rows in all (a target with no visible key at all, possible only in tiny
   or heavily padded rows without memory, is dropped rather than predicted from a uniform
@@ -53,11 +54,22 @@ it. Rows are contiguous text streams that advance by reuse_len (`row_stride`), s
 of a row's first reuse_len positions is the text right before the next row. Evaluation runs
 without memory.
 
-Not yet: XLNet's raw row layout [reuse, A, SEP, B, SEP, CLS] with token types 0/1/2 (rows are
-one segment with token types 0; func tokens are the `ids.sep` / `ids.cls` that occur) and
-bi_data (reversed rows with bi_sign = -1; the model supports it). Within a row, attention does
-not cross packed documents, while the memory does carry the previous text of the stream,
-documents included, as XLNet's streams do.
+Row layout (`row_layout`, the objective's raw-row hook):
+- "xlnet" (default): XLNet's row [reuse, A, SEP, B, SEP, CLS] with token types 0/1/2, built
+  on device from a raw stream row of seq_len - 3 tokens (`xlnet_rows`): A follows the reuse
+  part, B continues A or (probability `random_b_rate`) is random text from another row. The
+  row is one text: attention crosses the stream's documents (separated by EOS), exactly as the
+  memory carries the stream's previous text. Func tokens are the two SEPs and the CLS.
+- "plain": the packed row as it is; attention stays inside each document and func tokens are
+  SEP/CLS ids wherever they occur.
+
+bi_data: the pipeline serves the second half of every batch as the first half's streams read
+backwards (`reversed_streams`), and the xlnet family gets bi_sign = -1 on those rows, which
+negates their relative distances (a reversed row with -1 computes what the forward row
+computes with +1). Evaluation batches are forward text.
+
+Families: `xlnet`, or the ordinary `encoder` through its `two_stream` method (absolute or
+rotary positions, no memory): the ablation that separates the objective from Transformer-XL.
 """
 
 import dataclasses
@@ -339,15 +351,96 @@ def target_mapping(targets: jax.Array, tokens: jax.Array, num_predict: int
   return mapping, target_ids, mask.astype(jnp.float32)
 
 
+# ----------------------------------------------------------------------------- row layout (device)
+
+
+def xlnet_rows(
+    tokens: jax.Array,
+    segment_ids: jax.Array,
+    rng: jax.Array,
+    *,
+    reuse_len: int,
+    sep: int,
+    cls: int,
+    pad: int,
+    random_b_rate: float = 0.5,
+    groups: int = 1,
+) -> dict[str, jax.Array]:
+  """XLNet's row [reuse, A, SEP, B, SEP, CLS] (§4.1) from raw stream rows of t - 3 tokens.
+
+  The reuse part is the raw row's first reuse_len tokens and A follows it in the stream; A has
+  a_len ~ U{1..n-1} tokens, n = t - reuse_len - 3, and B the other n - a_len, so the row is
+  always full. B continues A (the raw tokens after it) or, with probability `random_b_rate`,
+  is a stretch of the next row of the same direction group (rows are split into `groups`
+  equal groups; with bi_data the forward and the reversed rows) at a random offset. The A/B
+  label is not returned: XLNet does not use it. Without sentence boundaries in the corpus, the
+  cut is uniform over token positions (XLNet cuts at a random line end).
+
+  Args:
+    tokens, segment_ids: [b, t - 3] int raw rows (segment 0 = padding).
+    rng: key of the layout draws.
+    reuse_len, sep, cls, pad: static layout lengths and ids.
+    random_b_rate: probability that B is random text rather than A's continuation.
+    groups: static number of row groups that B may be drawn across (never across groups).
+  Returns:
+    `tokens` [b, t] int32; `token_types` [b, t] int32 (0: reuse, A, first SEP; 1: B, second
+    SEP; 2: CLS); `segment_ids` [b, t] int32, 1 on real positions and 0 on padding (the row is
+    one text: attention crosses the stream's documents, as XLNet's does and as its memory
+    does); `is_func` [b, t] bool (the two SEPs and the CLS).
+  """
+  b, raw = tokens.shape
+  t = raw + 3
+  n = raw - reuse_len  # tokens of A and B together
+  if n < 2:
+    raise ValueError(f"the XLNet row layout needs seq_len - reuse_len >= 5 (A, B, SEP, SEP, CLS), got "
+                     f"seq_len={t}, reuse_len={reuse_len}; lower objective.reuse_len or use objective.row_layout=plain")
+  if b % groups:
+    raise ValueError(f"batch of {b} rows cannot be split into {groups} groups")
+  cut_rng, coin_rng, offset_rng = jax.random.split(rng, 3)
+  a_len = jax.random.randint(cut_rng, (b, 1), 1, n)  # [b, 1] in [1, n - 1]
+  random_b = jax.random.bernoulli(coin_rng, random_b_rate, (b, 1))  # [b, 1]
+  b_len = n - a_len  # [b, 1]
+  offset = jnp.floor(jax.random.uniform(offset_rng, (b, 1)) * (raw - b_len + 1)).astype(jnp.int32)  # [b, 1]
+  size = b // groups
+  row = jnp.arange(b)[:, None]  # [b, 1]
+  other = (row // size) * size + (row % size + 1) % size  # [b, 1] next row of the same group
+  p = jnp.arange(t)[None, :]  # [1, t]
+  first_sep = reuse_len + a_len  # [b, 1]
+  in_b = (p > first_sep) & (p < t - 2)  # [b, t]
+  k = p - first_sep - 1  # [b, t] index inside B
+  source_row = jnp.where(in_b & random_b, other, row)  # [b, t]
+  source_col = jnp.where(in_b, jnp.where(random_b, offset + k, p - 1), p)  # continuation: skip the SEP
+  source_col = jnp.clip(source_col, 0, raw - 1)
+  text = tokens[source_row, source_col]  # [b, t]
+  real_text = segment_ids[source_row, source_col] > 0
+  is_sep = (p == first_sep) | (p == t - 2)
+  is_cls = p == t - 1
+  is_func = is_sep | is_cls
+  real = jnp.where(is_func, jnp.any(segment_ids > 0, axis=1, keepdims=True), real_text)  # [b, t]
+  out = jnp.where(is_sep, sep, jnp.where(is_cls, cls, jnp.where(real, text, pad)))
+  token_types = jnp.where(p <= first_sep, 0, jnp.where(is_cls, 2, 1))
+  return {"tokens": out.astype(jnp.int32), "token_types": token_types.astype(jnp.int32),
+          "segment_ids": real.astype(jnp.int32), "is_func": is_func}
+
+
+def bi_signs(batch_size: int) -> jax.Array:
+  """float32 [b]: +1 for the forward rows [0, b/2), -1 for the reversed rows (bi_data)."""
+  return jnp.where(jnp.arange(batch_size) < batch_size // 2, 1.0, -1.0).astype(jnp.float32)
+
+
 # ----------------------------------------------------------------------------- objective
+
+LAYOUTS = ("xlnet", "plain")
 
 
 @OBJECTIVES.register("permutation_lm")
 @dataclasses.dataclass(frozen=True)
 class PermutationLM(Objective):
-  """XLNet permutation LM over a two-stream model (family `xlnet`).
+  """XLNet permutation LM over a two-stream model: the `xlnet` family, or the ordinary `encoder`
+  (absolute or rotary positions, no memory) through its `two_stream` method.
 
-  Lengths are resolved from the batch's static row length t (`resolve_lengths`).
+  Lengths are resolved from the model row length t (`resolve_lengths`): the raw row length, plus
+  3 with the XLNet layout.
   """
 
   num_predict: int = 0  # 0 = round(seq_len / 6)
@@ -358,12 +451,35 @@ class PermutationLM(Objective):
   max_span: int = 5
   target_mode: str = "span"  # "span" | "last"
   bi_data: bool = False
+  row_layout: str = "xlnet"  # "xlnet" | "plain"
+  random_b_rate: float = 0.5
+  word_spans: bool = False  # spans start at a word start (needs word_start)
+  word_start: tuple[bool, ...] | None = None
 
-  families = ("xlnet",)
+  families = ("xlnet", "encoder")
   # Rows are contiguous streams advancing by reuse_len, and the memory (model.mem_len > 0) is
   # carried from step to step in the objective state.
   stateful = True
   contiguous_rows = True
+
+  @classmethod
+  def check_config(cls, config) -> list[str]:
+    problems = super().check_config(config)
+    m, o = config.model, config.objective
+    if m.family == "encoder":
+      if m.mem_len:
+        problems.append(f"permutation_lm on the encoder family has no memory; set model.mem_len=0 (got {m.mem_len}) "
+                        "or use model.family=xlnet")
+      if m.position == "relative":
+        problems.append("permutation_lm on the encoder family needs model.position learned, sinusoidal or rotary "
+                        "(the two-stream encoder has no T5 relative bias); the xlnet family has relative positions")
+      if o.get("row_layout", "xlnet") == "xlnet" and 0 < m.type_vocab_size < 3:
+        problems.append(f"the XLNet row layout has token types 0/1/2 but model.type_vocab_size={m.type_vocab_size}; "
+                        "set model.type_vocab_size=3 (or 0), or objective.row_layout=plain")
+    if o.get("bi_data", False) and config.train.batch_size % 2:
+      problems.append(f"objective.bi_data=True reads half the batch backwards and needs an even train.batch_size, "
+                      f"got {config.train.batch_size}")
+    return problems
 
   def init_state(self, batch_size: int, model_cfg):
     """Zero memory [layers, batch, mem_len, d_model] (XLNet starts from zeros), or None."""
@@ -379,73 +495,127 @@ class PermutationLM(Objective):
     first reuse_len positions is then exactly the text before the next row."""
     return self.lengths(seq_len)[1]
 
+  def reversed_streams(self) -> bool:
+    return self.bi_data
+
+  def raw_length(self, seq_len: int) -> int:
+    """The XLNet layout adds SEP, SEP and CLS to seq_len - 3 stream tokens."""
+    return seq_len - 3 if self.row_layout == "xlnet" else seq_len
+
+  def needs_word_start(self) -> bool:
+    return self.word_spans
+
+  def with_word_start(self, word_start) -> "PermutationLM":
+    return dataclasses.replace(self, word_start=tuple(bool(x) for x in word_start))
+
   def __post_init__(self):
     if self.target_mode not in ("span", "last"):
       raise ValueError(f"objective.target_mode must be 'span' or 'last', got {self.target_mode!r}")
+    if self.row_layout not in LAYOUTS:
+      raise ValueError(f"objective.row_layout must be one of {LAYOUTS}, got {self.row_layout!r}")
     if self.max_span < 1:
       raise ValueError(f"objective.max_span must be >= 1, got {self.max_span}")
     if self.mask_alpha <= 0 or self.mask_beta <= 0:
       raise ValueError(f"objective.mask_alpha and mask_beta must be > 0, got {self.mask_alpha}, {self.mask_beta}")
     if min(self.num_predict, self.perm_size, self.reuse_len) < 0:
       raise ValueError("objective.num_predict, perm_size and reuse_len must be >= 0 (0 = default)")
-    if self.bi_data:
-      raise NotImplementedError("objective.bi_data=True (reversed rows with negated distances) is not implemented "
-                                "yet; set objective.bi_data=False")
+    if not 0.0 <= self.random_b_rate <= 1.0:
+      raise ValueError(f"objective.random_b_rate must be in [0, 1], got {self.random_b_rate}")
+    if self.row_layout == "xlnet" and (self.ids.sep is None or self.ids.cls is None):
+      raise ValueError("the XLNet row layout needs <sep> and <cls> ids, but the tokenizer has none; "
+                       "set objective.row_layout=plain")
+    if self.word_start is not None and len(self.word_start) != self.ids.vocab_size:
+      raise ValueError(f"word_start has {len(self.word_start)} entries, expected vocab_size={self.ids.vocab_size}")
 
   def func_ids(self) -> tuple[int, ...]:
-    """Ids that are func tokens (never predicted; see everything before them in the order)."""
+    """Ids that are func tokens in the plain layout (never predicted; see everything before them)."""
     return tuple(i for i in (self.ids.sep, self.ids.cls) if i is not None)
 
   def lengths(self, seq_len: int) -> tuple[int, int, int]:
-    """(num_predict, reuse_len, perm_size) for rows of `seq_len` tokens."""
+    """(num_predict, reuse_len, perm_size) for model rows of `seq_len` tokens."""
     return resolve_lengths(seq_len, self.num_predict, self.reuse_len, self.perm_size)
+
+  def layout(self, batch: dict[str, jax.Array], rng: jax.Array) -> dict[str, jax.Array]:
+    """The model row of each raw row: `tokens`, `token_types`, `segment_ids`, `positions` [b, t]
+    int32 and `is_func` [b, t] bool (see `xlnet_rows`; the plain layout keeps the packed row,
+    attention stays inside its documents, and func tokens are SEP/CLS wherever they occur)."""
+    tokens = batch["tokens"].astype(jnp.int32)
+    segment_ids = batch["segment_ids"].astype(jnp.int32)
+    if self.row_layout == "plain":
+      is_func = jnp.zeros_like(tokens, bool)
+      for func_id in self.func_ids():
+        is_func = is_func | (tokens == func_id)
+      return {"tokens": tokens, "token_types": jnp.zeros_like(tokens), "segment_ids": segment_ids,
+              "positions": batch["positions"].astype(jnp.int32), "is_func": is_func}
+    b, raw = tokens.shape
+    _, reuse_len, _ = self.lengths(raw + 3)
+    row = xlnet_rows(tokens, segment_ids, rng, reuse_len=reuse_len, sep=self.ids.sep, cls=self.ids.cls,
+                     pad=self.ids.pad, random_b_rate=self.random_b_rate, groups=2 if self.bi_data else 1)
+    row["positions"] = jnp.broadcast_to(jnp.arange(raw + 3, dtype=jnp.int32), (b, raw + 3))
+    return row
 
   def features(self, batch: dict[str, jax.Array], rng: jax.Array) -> dict[str, jax.Array]:
     """Model inputs and prediction targets of a batch.
 
-    Returns a dict of `tokens`, `token_types`, `segment_ids`, `z` [b, t] int32;
+    Returns a dict of `tokens`, `token_types`, `segment_ids`, `positions`, `z` [b, t] int32;
     `targets`, `is_func` [b, t] bool; `content_mask`, `query_mask` [b, t, t] bool;
     `target_mapping` [b, n, t] float32; `target_ids` [b, n] int32; `target_mask` [b, n] float32.
     """
-    tokens = batch["tokens"].astype(jnp.int32)
-    segment_ids = batch["segment_ids"].astype(jnp.int32)
+    layout_rng, order_rng, target_rng = jax.random.split(rng, 3)
+    x = self.layout(batch, layout_rng)
+    tokens, segment_ids, is_func = x["tokens"], x["segment_ids"], x["is_func"]
     b, t = tokens.shape
     num_predict, reuse_len, perm_size = self.lengths(t)
-    order_rng, target_rng = jax.random.split(rng)
     z = jax.vmap(lambda k: row_order(k, t, reuse_len, perm_size))(jax.random.split(order_rng, b))  # [b, t]
-    is_func = jnp.zeros_like(tokens, bool)
-    for func_id in self.func_ids():
-      is_func = is_func | (tokens == func_id)
     eligible = (segment_ids > 0) & ~is_func
+    word_start = None
+    if self.word_spans:
+      if self.word_start is None:
+        raise ValueError("objective.word_spans=True needs the tokenizer's word starts: build the objective with "
+                         ".with_word_start(tokenizer.word_start_mask())")
+      word_start = jnp.asarray(self.word_start, bool)[tokens]  # [b, t]
     targets = sample_targets(
         tokens, target_rng, eligible=eligible, num_predict=num_predict, reuse_len=reuse_len,
-        mode=self.target_mode, z=z, max_span=self.max_span, mask_alpha=self.mask_alpha, mask_beta=self.mask_beta)
+        mode=self.target_mode, z=z, max_span=self.max_span, mask_alpha=self.mask_alpha, mask_beta=self.mask_beta,
+        word_start=word_start)
     content, query = jax.vmap(lambda g, f, o, s: permutation_masks(g, f, o, reuse_len, s))(
         targets, is_func, z, segment_ids)  # [b, t, t] each
     predicted = targets & jnp.any(query, axis=-1)  # a target that sees no key at all is not predicted
-    mapping, target_ids, target_mask = jax.vmap(lambda g, x: target_mapping(g, x, num_predict))(predicted, tokens)
-    return {"tokens": tokens, "token_types": jnp.zeros_like(tokens), "segment_ids": segment_ids, "z": z,
-            "targets": targets, "is_func": is_func, "content_mask": content, "query_mask": query,
-            "target_mapping": mapping, "target_ids": target_ids, "target_mask": target_mask}
+    mapping, target_ids, target_mask = jax.vmap(lambda g, y: target_mapping(g, y, num_predict))(predicted, tokens)
+    return dict(x, z=z, targets=targets, content_mask=content, query_mask=query, target_mapping=mapping,
+                target_ids=target_ids, target_mask=target_mask)
 
-  def loss_on_features(self, model, params, x: dict[str, jax.Array], rng: jax.Array, *, train: bool, mems=None):
+  def loss_on_features(self, model, params, x: dict[str, jax.Array], rng: jax.Array, *, train: bool, mems=None,
+                       bi_sign=None):
     """(loss, metrics) of the model on prepared `features`; metrics["state"] = the new memory
-    when `mems` [l, b, m, e] is given (memory columns are always visible)."""
+    when `mems` [l, b, m, e] is given (memory columns are always visible). `bi_sign` [b] (+1 /
+    -1 per row) flips the relative distances of reversed rows (xlnet family only)."""
     content, query = x["content_mask"], x["query_mask"]
-    if mems is not None:
-      visible = jnp.ones(content.shape[:2] + (mems.shape[2],), bool)  # [b, t, m]
-      content = jnp.concatenate([visible, content], axis=-1)  # [b, t, m + t]
-      query = jnp.concatenate([visible, query], axis=-1)
-    logits, new_mems = model.apply(
-        {"params": params}, x["tokens"], x["token_types"], content, query,
-        x["target_mapping"], mems, None, train=train, rngs={"dropout": rng})  # [b, n, v]
+    if hasattr(model, "two_stream"):  # an ordinary family: absolute / rotary positions, no memory
+      if mems is not None:
+        raise ValueError("the two-stream encoder has no memory; set model.mem_len=0")
+      logits = model.apply(
+          {"params": params}, x["tokens"], x["positions"], content, query, x["target_mapping"],
+          token_types=x["token_types"], train=train, rngs={"dropout": rng}, method="two_stream")  # [b, n, v]
+      new_mems = None
+    else:
+      if mems is not None:
+        visible = jnp.ones(content.shape[:2] + (mems.shape[2],), bool)  # [b, t, m]
+        content = jnp.concatenate([visible, content], axis=-1)  # [b, t, m + t]
+        query = jnp.concatenate([visible, query], axis=-1)
+      logits, new_mems = model.apply(
+          {"params": params}, x["tokens"], x["token_types"], content, query,
+          x["target_mapping"], mems, bi_sign, train=train, rngs={"dropout": rng})  # [b, n, v]
     loss, metrics = ops.weighted_cross_entropy(logits, x["target_ids"], x["target_mask"], z_loss=self.z_loss)
     if mems is not None:
       metrics = dict(metrics, state=new_mems)
     return loss, metrics
 
   def loss(self, model, params, batch, rng, *, train, state=None):
-    """`state` is the memory carried from the previous step (None: no memory, e.g. eval)."""
+    """`state` is the memory carried from the previous step (None: no memory, e.g. eval). With
+    bi_data, training batches hold reversed rows in their second half (`bi_signs`); evaluation
+    batches are forward text only."""
     feature_rng, dropout_rng = jax.random.split(rng)
-    return self.loss_on_features(model, params, self.features(batch, feature_rng), dropout_rng, train=train,
-                                 mems=state)
+    x = self.features(batch, feature_rng)
+    bi_sign = bi_signs(x["tokens"].shape[0]) if self.bi_data and train else None
+    return self.loss_on_features(model, params, x, dropout_rng, train=train, mems=state, bi_sign=bi_sign)
