@@ -60,6 +60,9 @@ def test_valid_configs_pass():
   validate(tiny_config("--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"), num_devices=8)
 
 
+XLNET = ["--config.model.family=xlnet", "--config.objective.name=permutation_lm"]
+
+
 @pytest.mark.parametrize("overrides, devices, message", [
     (["--config.model.num_heads=3"], 1, "num_heads=3 does not divide model.d_model=64"),
     (["--config.mesh.data=4"], 8, r"needs 4 devices but there are 8"),
@@ -76,6 +79,14 @@ def test_valid_configs_pass():
     (["--config.objective.name=nope"], 1, "objective.name='nope' is not registered"),
     (["--config.data.seq_len=1"], 1, "data.seq_len=1"),
     (["--config.train.steps=0"], 1, "train.steps=0"),
+    (XLNET + ["--config.objective.row_layout=bert"], 1, "row_layout must be one of"),
+    (XLNET + ["--config.objective.reuse_len=60", "--config.objective.perm_size=4"], 1, "seq_len - reuse_len >= 5"),
+    (XLNET + ["--config.objective.perm_size=24"], 1, "perm_size=24 must divide both halves"),
+    (XLNET + ["--config.objective.bi_data=true", "--config.train.batch_size=3"], 1, "even train.batch_size"),
+    (["--config.objective.name=masked_lm", "--config.model.family=encoder", "--config.objective.mask_rate=1.5"], 1,
+     r"mask_rate must be in \[0, 1\]"),
+    (["--config.objective.name=permutation_lm", "--config.model.family=encoder", "--config.model.mem_len=8"], 1,
+     "has no memory"),
 ])
 def test_validate_messages(overrides, devices, message):
   with pytest.raises(ConfigError, match=message):

@@ -50,6 +50,13 @@ class SpecialIds:
         special=tuple(tok.special_ids))
 
 
+def placeholder_ids(vocab_size: int) -> SpecialIds:
+  """Every special id present (100 sentinels): checks a config before the tokenizer exists."""
+  vocab_size = max(vocab_size, 256)
+  return SpecialIds(vocab_size=vocab_size, pad=0, eos=1, bos=2, unk=3, mask=4, cls=5, sep=6,
+                    sentinels=tuple(range(vocab_size - 1, vocab_size - 101, -1)), special=tuple(range(7)))
+
+
 @dataclasses.dataclass(frozen=True)
 class Objective:
   """Base class. Subclasses set `families` and implement `loss`."""
@@ -82,7 +89,15 @@ class Objective:
     if cls.stateful and config.train.grad_accum > 1:
       problems.append(f"objective {config.objective.name!r} carries state between steps and cannot accumulate "
                       "gradients over micro-batches; set train.grad_accum=1")
+    # The objective's own field checks, before any tokenizer exists (ids are placeholders).
+    try:
+      cls.from_config(config.objective, placeholder_ids(config.data.vocab_size)).check_seq_len(config.data.seq_len)
+    except ValueError as e:
+      problems.append(str(e))
     return problems
+
+  def check_seq_len(self, seq_len: int) -> None:
+    """Raises ValueError (with the fix) if rows of `seq_len` model tokens cannot be built."""
 
   def init_state(self, batch_size: int, model_cfg) -> Any:
     """The initial objective state for a global batch of `batch_size` rows (None = stateless)."""

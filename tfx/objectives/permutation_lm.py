@@ -354,6 +354,14 @@ def target_mapping(targets: jax.Array, tokens: jax.Array, num_predict: int
 # ----------------------------------------------------------------------------- row layout (device)
 
 
+def check_layout(seq_len: int, reuse_len: int) -> None:
+  """The XLNet row needs at least one token each for A and B after the reuse part."""
+  if seq_len - reuse_len < 5:
+    raise ValueError(f"the XLNet row layout needs seq_len - reuse_len >= 5 (A, SEP, B, SEP, CLS), got "
+                     f"seq_len={seq_len}, reuse_len={reuse_len}; lower objective.reuse_len or set "
+                     "objective.row_layout=plain")
+
+
 def xlnet_rows(
     tokens: jax.Array,
     segment_ids: jax.Array,
@@ -391,9 +399,7 @@ def xlnet_rows(
   b, raw = tokens.shape
   t = raw + 3
   n = raw - reuse_len  # tokens of A and B together
-  if n < 2:
-    raise ValueError(f"the XLNet row layout needs seq_len - reuse_len >= 5 (A, B, SEP, SEP, CLS), got "
-                     f"seq_len={t}, reuse_len={reuse_len}; lower objective.reuse_len or use objective.row_layout=plain")
+  check_layout(t, reuse_len)
   if b % groups:
     raise ValueError(f"batch of {b} rows cannot be split into {groups} groups")
   cut_rng, coin_rng, offset_rng = jax.random.split(rng, 3)
@@ -534,6 +540,11 @@ class PermutationLM(Objective):
   def lengths(self, seq_len: int) -> tuple[int, int, int]:
     """(num_predict, reuse_len, perm_size) for model rows of `seq_len` tokens."""
     return resolve_lengths(seq_len, self.num_predict, self.reuse_len, self.perm_size)
+
+  def check_seq_len(self, seq_len: int) -> None:
+    _, reuse_len, _ = self.lengths(seq_len)
+    if self.row_layout == "xlnet":
+      check_layout(seq_len, reuse_len)
 
   def layout(self, batch: dict[str, jax.Array], rng: jax.Array) -> dict[str, jax.Array]:
     """The model row of each raw row: `tokens`, `token_types`, `segment_ids`, `positions` [b, t]
