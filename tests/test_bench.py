@@ -96,3 +96,38 @@ def test_cli_writes_json(tmp_path, capsys):
 def test_benchmark_runs_every_family(name):
   r = bench.benchmark(load_config(os.path.join(ROOT, "configs", name)), steps=1, warmup=0)
   assert r["step_s"] > 0 and np.isfinite(r["loss"])
+
+
+XLNET = ["--config.model.family=xlnet", "--config.objective.name=permutation_lm", "--config.model.position=relative",
+         "--config.model.norm=post", "--config.objective.reuse_len=32", "--config.objective.perm_size=32"]
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["--config.model.family=encoder", "--config.objective.name=masked_lm"],
+    ["--config.model.family=encoder_decoder", "--config.objective.name=span_corruption",
+     "--config.model.position=relative"],
+    XLNET,
+    XLNET + ["--config.model.mem_len=32", "--config.model.reuse_len=32"],
+], ids=["decoder_clm", "encoder_mlm", "t5_spans", "xlnet", "xlnet_memory"])
+def test_objective_flops_match_xla_cost_analysis(overrides):
+  """Each objective's analytic forward count (train_flops_per_row / 3) against XLA's own count
+  of the compiled loss: only elementwise work (norms, softmax, GELU: a few %) and XLNet's W_r
+  projection, done once per batch here, separate them. Span corruption's decoder runs on 20
+  positions against 64 encoder positions, and the xlnet query stream on 11 slots, so a
+  per-position count would be far off."""
+  seq, batch = 64, 2
+  cfg = config(*overrides, "--config.model.scan_layers=false",  # XLA counts a scanned body once
+               "--config.model.d_model=128", "--config.model.num_heads=4", "--config.model.d_ff=512",
+               f"--config.data.seq_len={seq}", "--config.data.vocab_size=1000", f"--config.train.batch_size={batch}",
+               "--config.model.dropout=0.0", "--config.model.attention_dropout=0.0")
+  exp = bench.build_experiment(cfg)
+  model, objective = exp.model, exp.objective
+  params = nn.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), **type(model).init_inputs(1, seq)))["params"])
+  data = bench.synthetic_batch(batch, objective.raw_length(seq), model.cfg.vocab_size)
+  state = objective.init_state(batch, model.cfg)
+  kwargs = {} if state is None else {"state": jax.ShapeDtypeStruct(state.shape, state.dtype)}
+  loss = lambda p, b, **k: objective.loss(model, p, b, jax.random.key(0), train=False, **k)[0]
+  xla = jax.jit(loss).lower(params, data, **kwargs).compile().cost_analysis()["flops"]
+  analytic = objective.train_flops_per_row(model.cfg, seq) / 3 * batch
+  assert 0.93 < xla / analytic < 1.06, (xla, analytic)

@@ -3,8 +3,13 @@
 MFU = achieved model FLOP/s / (peak FLOP/s of one device x number of devices), with model
 FLOPs counted as in the PaLM paper (appendix B): 6 FLOPs per token per parameter that takes
 part in a matrix multiply (the blocks and the output projection; embedding lookups are free),
-plus 6 L T e for the attention score and value products at sequence length T.
+plus the attention score and value products (6 L T e per token at sequence length T).
 Rematerialisation is not counted (that would be hardware FLOPs, not model FLOPs).
+
+What a row computes depends on the objective (`Objective.train_flops_per_row`): one stack at
+every position (`row_forward_flops`), an encoder over the inputs and a decoder over the shorter
+targets (`seq2seq_forward_flops`), or a content stream plus a query stream over the prediction
+slots (`two_stream_forward_flops`). tests/test_bench.py checks each against XLA's own count.
 """
 
 import jax
@@ -37,28 +42,83 @@ def device_peak_flops(device=None) -> float | None:
   return None
 
 
-def matmul_params(cfg) -> int:
-  """Parameters that take part in a matrix multiply per token (blocks + output projection).
+def mlp_params(cfg) -> int:
+  """Parameters of one MLP (two input projections when gated)."""
+  return (3 if cfg.mlp in ("geglu", "swiglu") else 2) * cfg.d_model * cfg.d_ff
 
-  For encoder_decoder models every position is counted as passing through both stacks (the
-  decoder's cross-attention included): exact when encoder and decoder lengths are equal, an
-  over-count for span corruption (114 decoder vs 512 encoder positions).
-  """
-  e, f, l = cfg.d_model, cfg.d_ff, cfg.num_layers
-  mlp_in = 2 if cfg.mlp in ("geglu", "swiglu") else 1
-  per_layer = 4 * e * e + (mlp_in + 1) * e * f
+
+def matmul_params(cfg) -> int:
+  """Parameters that take part in a matrix multiply per token (blocks + output projection),
+  every position counted through every stack (see `row_forward_flops` for the exact counts)."""
+  e, l = cfg.d_model, cfg.num_layers
+  per_layer = 4 * e * e + mlp_params(cfg)
   total = l * per_layer + e * cfg.vocab_size
   if getattr(cfg, "family", "") == "encoder_decoder":
     total += cfg.decoder_layers * (per_layer + 4 * e * e)
   return total
 
 
+def attention_flops(d_model: int, queries: int, keys: int) -> float:
+  """Forward FLOPs of one attention layer for one row: q and output projections on `queries`
+  positions, k and v projections on `keys` positions, scores and the weighted sum."""
+  return 4 * d_model * d_model * (queries + keys) + 4 * queries * keys * d_model
+
+
+def row_forward_flops(cfg, length: int) -> float:
+  """Forward FLOPs of one row of `length` positions through one stack with full attention and
+  the output projection at every position (decoder, encoder; the encoder's MLM transform too)."""
+  e = cfg.d_model
+  layer = attention_flops(e, length, length) + 2 * length * mlp_params(cfg)
+  head = 2 * length * e * cfg.vocab_size
+  if getattr(cfg, "family", "") == "encoder":
+    head += 2 * length * e * e  # MLM head transform
+  return cfg.num_layers * layer + head
+
+
+def seq2seq_forward_flops(cfg, inputs: int, targets: int) -> float:
+  """Forward FLOPs of one encoder-decoder row: `inputs` positions through the encoder,
+  `targets` through the decoder (self-attention, cross-attention over the inputs, MLP) and the
+  output projection."""
+  e, mlp = cfg.d_model, mlp_params(cfg)
+  encoder = cfg.num_layers * (attention_flops(e, inputs, inputs) + 2 * inputs * mlp)
+  decoder = cfg.decoder_layers * (attention_flops(e, targets, targets) + attention_flops(e, targets, inputs)
+                                  + 2 * targets * mlp)
+  return encoder + decoder + 2 * targets * e * cfg.vocab_size
+
+
+def two_stream_forward_flops(cfg, length: int, predictions: int, memory: int = 0) -> float:
+  """Forward FLOPs of one permutation-LM row: the content stream over `length` positions (keys
+  = memory + length) and the query stream over `predictions` slots, which shares the content
+  stream's keys and values; the output projection only at the slots. The last layer's content
+  stream is not counted beyond its keys and values: nothing reads its output.
+
+  xlnet family: Transformer-XL positions add the W_r projection of the 2s - 1 distances and
+  a positional score table per stream; its query stream attends at all `length` positions
+  (scattered there and gathered back, as XLNet does). Encoder family: the query stream
+  attends from its slots only, and the MLM head transform runs on the slots.
+  """
+  e, mlp, n, t = cfg.d_model, mlp_params(cfg), predictions, length
+  s = memory + t
+  keys = 4 * e * e * s  # k and v projections (memory included), read by both streams
+  content = 4 * e * e * t + 4 * t * s * e + 2 * t * mlp  # q, output, scores, weighted sum, MLP
+  query = 4 * e * e * n + 2 * n * mlp  # q and output projections, MLP
+  head = 2 * n * e * cfg.vocab_size
+  if getattr(cfg, "family", "") == "xlnet":
+    p = 2 * s - 1
+    keys += 2 * e * e * p  # W_r R(d) of every distance
+    content += 2 * t * p * e  # positional score table
+    query += 2 * t * p * e + 2 * 2 * n * t * e + 4 * t * s * e  # table, scatter and gather, attention at t
+  else:
+    query += 4 * n * s * e
+    head += 2 * n * e * e  # MLM head transform
+  return cfg.num_layers * (keys + query) + (cfg.num_layers - 1) * content + head
+
+
 def flops_per_token(cfg, seq_len: int) -> float:
-  """Training FLOPs per token: forward + backward (x3) of the matmuls and attention.
+  """Training FLOPs per token of a single-stack row (forward + backward = 3x forward).
 
   Args:
     cfg: a ModelConfig (num_layers, d_model, d_ff, mlp, vocab_size).
     seq_len: tokens per row (attention cost grows with it).
   """
-  attention = 2 * 2 * cfg.num_layers * seq_len * cfg.d_model  # QK^T and PV, full (unmasked) rows
-  return 3 * (2 * matmul_params(cfg) + attention)
+  return 3 * row_forward_flops(cfg, seq_len) / seq_len

@@ -296,7 +296,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   eval_step = make_eval_step(exp, shardings)
   eval_batches = exp.pipeline.eval_batches()
   tokens_per_step = t.batch_size * exp.pipeline.row_length
-  model_flops = flops.flops_per_token(exp.model.cfg, config.data.seq_len) * t.batch_size * config.data.seq_len
+  model_flops = exp.objective.train_flops_per_row(exp.model.cfg, config.data.seq_len) * t.batch_size
   peak = flops.device_peak_flops()
   preempt = _Preemption()
 

@@ -26,6 +26,8 @@ from typing import Any, ClassVar
 
 import jax
 
+from tfx import flops
+
 
 @dataclasses.dataclass(frozen=True)
 class SpecialIds:
@@ -123,6 +125,12 @@ class Objective:
   def with_word_start(self, word_start) -> "Objective":
     """A copy that knows which ids start a word (bool [v], `Tokenizer.word_start_mask()`)."""
     raise NotImplementedError(f"{type(self).__name__} does not use word starts")
+
+  def train_flops_per_row(self, model_cfg, seq_len: int) -> float:
+    """Model FLOPs (forward + backward = 3x forward) of one training row of `seq_len` model
+    positions, for MFU; objectives whose model computes something else than one full-length
+    stack with an output at every position override this."""
+    return 3 * flops.row_forward_flops(model_cfg, seq_len)
 
   def raw_length(self, seq_len: int) -> int:
     """Raw tokens a packed row must hold for model sequence length `seq_len`."""

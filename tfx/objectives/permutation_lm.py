@@ -77,7 +77,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from tfx import ops
+from tfx import flops, ops
 from tfx.objectives.base import Objective, SpecialIds
 from tfx.registry import OBJECTIVES
 
@@ -540,6 +540,12 @@ class PermutationLM(Objective):
   def lengths(self, seq_len: int) -> tuple[int, int, int]:
     """(num_predict, reuse_len, perm_size) for model rows of `seq_len` tokens."""
     return resolve_lengths(seq_len, self.num_predict, self.reuse_len, self.perm_size)
+
+  def train_flops_per_row(self, model_cfg, seq_len: int) -> float:
+    """Content stream over the row (plus memory), query stream over num_predict slots."""
+    num_predict, _, _ = self.lengths(seq_len)
+    memory = model_cfg.mem_len if model_cfg.family == "xlnet" else 0
+    return 3 * flops.two_stream_forward_flops(model_cfg, seq_len, num_predict, memory)
 
   def check_seq_len(self, seq_len: int) -> None:
     _, reuse_len, _ = self.lengths(seq_len)

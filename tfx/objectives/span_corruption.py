@@ -29,7 +29,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from tfx import ops
+from tfx import flops, ops
 from tfx.objectives.base import Objective, SpecialIds
 from tfx.objectives.causal_lm import shift_right_by_segment
 from tfx.registry import OBJECTIVES
@@ -248,6 +248,11 @@ class SpanCorruption(Objective):
     raw = self._lengths(seq_len)[0]
     check_sentinels(raw, self.noise_density, self.mean_span_length, self.ids)
     return raw
+
+  def train_flops_per_row(self, model_cfg, seq_len: int) -> float:
+    """Encoder over the inputs, decoder over the (shorter) targets: 512 + 114 positions."""
+    inputs, targets = self.inputs_length or seq_len, self.targets_length(seq_len)
+    return 3 * flops.seq2seq_forward_flops(model_cfg, inputs, targets)
 
   def targets_length(self, seq_len: int) -> int:
     """Decoder length (EOS included) for encoder length `seq_len`: 512 -> 114."""
