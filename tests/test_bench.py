@@ -109,7 +109,9 @@ XLNET = ["--config.model.family=xlnet", "--config.objective.name=permutation_lm"
      "--config.model.position=relative"],
     XLNET,
     XLNET + ["--config.model.mem_len=32", "--config.model.reuse_len=32"],
-], ids=["decoder_clm", "encoder_mlm", "t5_spans", "xlnet", "xlnet_memory"])
+    ["--config.model.family=encoder", "--config.objective.name=permutation_lm", "--config.model.type_vocab_size=3",
+     "--config.objective.reuse_len=32", "--config.objective.perm_size=32"],
+], ids=["decoder_clm", "encoder_mlm", "t5_spans", "xlnet", "xlnet_memory", "encoder_plm"])
 def test_objective_flops_match_xla_cost_analysis(overrides):
   """Each objective's analytic forward count (train_flops_per_row / 3) against XLA's own count
   of the compiled loss: only elementwise work (norms, softmax, GELU: a few %) and XLNet's W_r

@@ -548,6 +548,8 @@ def from_hf(path: str, *, scan_layers: bool = True) -> tuple[ml_collections.Conf
   if leftover:
     raise ConvertError(f"{path}: tensors tfx has no place for (an unsupported variant of {arch}?): "
                        f"{', '.join(sorted(leftover)[:8])}{' ...' if len(leftover) > 8 else ''}")
+  if m.family == "encoder":  # Encoder.two_stream's query-stream input: no HF tensor, starts at zero (not exported)
+    params["mask_emb"] = np.zeros((m.d_model,), np.float32)
   _check_shapes(config, params, path)
   return config, params
 

@@ -5,7 +5,7 @@ A family is a linen Module registered by name in `tfx.registry.FAMILIES`, with o
 right shapes for `init`); objectives call the module itself.
 """
 
-from typing import ClassVar
+from typing import Callable, ClassVar, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -16,6 +16,19 @@ from tfx.nn.attention import RelativePositionBias
 from tfx.nn.layers import DenseGeneral, Embed, ModelConfig, make_norm
 
 POSITIONS = ("learned", "sinusoidal", "rotary", "relative")
+
+
+class Slots(NamedTuple):
+  """The inputs of a two-stream model's query stream at its n prediction slots.
+
+  vectors: [e] or [b, n, e], what stands in for the (unknown) token embedding.
+  positions: [b, n] int, the position of each slot's target.
+  token_types: [b, n] int or None (type 0), the target's token type.
+  """
+
+  vectors: jax.Array
+  positions: jax.Array
+  token_types: jax.Array | None = None
 
 
 class Family(nn.Module):
@@ -42,39 +55,60 @@ class Family(nn.Module):
   def absolute_positions(self, positions: jax.Array, name: str = "position_embed") -> jax.Array | float:
     """[b, t] -> [b, t, e] absolute position embedding; 0.0 for rotary / relative positions
     (applied inside attention)."""
+    return self._position_encoder(name)(positions)
+
+  def _position_encoder(self, name: str) -> Callable[[jax.Array], jax.Array | float]:
+    """The absolute position embedding as a function [b, t] -> [b, t, e] (0.0 for rotary /
+    relative positions). The learned table is built here once, so it can be called twice."""
     cfg = self.cfg
     if cfg.position == "learned":
-      table = Embed(cfg.max_length, cfg.d_model, axes=("position", "embed"), init_std=cfg.init_std,
-                    dtype=cfg.compute_dtype, name=name)
-      return table(positions)
+      return Embed(cfg.max_length, cfg.d_model, axes=("position", "embed"), init_std=cfg.init_std,
+                   dtype=cfg.compute_dtype, name=name)
     if cfg.position == "sinusoidal":
-      return ops.sinusoidal(positions, cfg.d_model).astype(cfg.compute_dtype)
+      return lambda positions: ops.sinusoidal(positions, cfg.d_model).astype(cfg.compute_dtype)
     if cfg.position in ("rotary", "relative"):
-      return 0.0
+      return lambda positions: 0.0
     raise ValueError(f"unknown model.position {cfg.position!r}; choose one of {POSITIONS}")
 
   def embed_inputs(self, embed: Embed, tokens, positions, *, train: bool, token_types=None,
-                   prefix: str = "") -> jax.Array:
+                   prefix: str = "", slots: Slots | None = None):
     """Token (+ position, + token type) embeddings, optional norm, dropout: [b, t] -> [b, t, e].
 
-    `prefix` names the position/type tables of one stack when a model has two.
+    `prefix` names the position/type tables of one stack when a model has two. With `slots`
+    (a two-stream model's query stream) it returns (x [b, t, e], g [b, n, e]): g is
+    `slots.vectors` in place of the token embeddings, with the same position / type tables,
+    embedding scale and norm, and its own dropout.
     """
     cfg = self.cfg
-    x = embed(tokens)  # [b, t, e]
-    if cfg.embed_scale:
-      x = x * jnp.asarray(cfg.d_model**0.5, x.dtype)
-    x = x + self.absolute_positions(positions, name=prefix + "position_embed")
+    position_embed = self._position_encoder(prefix + "position_embed")
+    type_embed = norm = None
     if cfg.type_vocab_size:
-      types = jnp.zeros_like(tokens) if token_types is None else token_types
-      x = x + Embed(cfg.type_vocab_size, cfg.d_model, axes=("token_type", "embed"), init_std=cfg.init_std,
-                    dtype=cfg.compute_dtype, name=prefix + "type_embed")(types)
+      type_embed = Embed(cfg.type_vocab_size, cfg.d_model, axes=("token_type", "embed"), init_std=cfg.init_std,
+                         dtype=cfg.compute_dtype, name=prefix + "type_embed")
     if cfg.embed_norm:
-      x = make_norm(cfg, prefix + "embed_norm")(x)
+      norm = make_norm(cfg, prefix + "embed_norm")
+
+    def combine(x, positions, types):  # [b, t, e] token vectors -> [b, t, e] before dropout
+      if cfg.embed_scale:
+        x = x * jnp.asarray(cfg.d_model**0.5, x.dtype)
+      x = x + position_embed(positions)
+      if type_embed is not None:
+        x = x + type_embed(jnp.zeros_like(positions) if types is None else types)
+      return x if norm is None else norm(x)
+
+    drop = lambda y: nn.Dropout(cfg.dropout)(y, deterministic=not train)
+    x = combine(embed(tokens), positions, token_types)  # [b, t, e]
     # Zero unless a 'perturbations' collection is passed: lets tests take gradients with
     # respect to the input embeddings (information-flow checks).
     x = self.perturb(prefix + "embeddings", x)
     x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
-    return nn.Dropout(cfg.dropout)(x, deterministic=not train)
+    x = drop(x)
+    if slots is None:
+      return x
+    vectors = jnp.broadcast_to(slots.vectors.astype(x.dtype), slots.positions.shape + (cfg.d_model,))  # [b, n, e]
+    g = combine(vectors, slots.positions, slots.token_types)  # [b, n, e]
+    g = nn.with_logical_constraint(g, ("act_batch", "act_length", "act_embed"))
+    return x, drop(g)
 
   def relative_bias(self, q_positions, k_positions, *, bidirectional: bool, name: str):
     """[b, h, t, s] T5 relative-position bias of a stack, or None for other position kinds."""

@@ -3,6 +3,8 @@ and the masked-LM head (dense + activation + norm + tied output embedding + bias
 
 Post-LN with a norm on the embeddings is BERT (`model.norm=post`, `model.embed_norm=True`);
 pre-LN adds a final norm instead. Token types (segment A/B) when `model.type_vocab_size` > 0.
+`Encoder.two_stream` runs XLNet's content / query streams on the same weights (permutation LM
+with absolute or rotary positions and no memory).
 """
 
 import flax.linen as nn
@@ -10,10 +12,31 @@ import jax
 import jax.numpy as jnp
 
 from tfx import ops
-from tfx.models.base import Family
-from tfx.nn import DenseGeneral, Embed, Stack, make_norm
+from tfx.models.base import Family, Slots
+from tfx.nn import DenseGeneral, Embed, QueryStream, Stack, make_norm
 from tfx.nn.layers import GATED, activation
 from tfx.registry import FAMILIES
+
+
+# Position kinds `Encoder.two_stream` supports (T5 relative positions would need a [b, h, n, t]
+# bias for the query stream).
+TWO_STREAM_POSITIONS = ("learned", "sinusoidal", "rotary")
+
+
+def slot_values(target_mapping: jax.Array, values: jax.Array) -> jax.Array:
+  """The value at each prediction slot's target: target_mapping [b, n, t] (one-hot rows, zero
+  rows for padded slots), values [b, t] int -> [b, n] int (0 at padded slots)."""
+  picked = jnp.einsum("bnt,bt->bn", target_mapping.astype(jnp.float32), values.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)  # exact for |values| < 2**24
+  return jnp.round(picked).astype(jnp.int32)
+
+
+def slot_mask(target_mapping: jax.Array, query_mask: jax.Array) -> jax.Array:
+  """Each slot's row of the query mask: target_mapping [b, n, t], query_mask [b, t, t] bool ->
+  [b, 1, n, t] bool (a padded slot may attend nothing: the attention guard gives it zeros)."""
+  rows = jnp.einsum("bnt,bts->bns", target_mapping.astype(jnp.float32), query_mask.astype(jnp.float32),
+                    precision=jax.lax.Precision.HIGHEST)  # [b, n, t]
+  return (rows > 0)[:, None]
 
 
 @FAMILIES.register("encoder")
@@ -24,20 +47,69 @@ class Encoder(Family):
   tokens, segment_ids (0 = padding), positions, token_types: [b, t] int. Returns logits
   [b, t, v], or the final hidden states [b, t, e] with `return_hidden=True` (for heads such
   as `ClassifierHead`). `mask` [b, 1|h, t, t] replaces the default same-document mask.
+
+  `two_stream(...)`: XLNet's two-stream attention on this encoder, for permutation LM (see
+  its docstring). Its only parameter beyond `__call__`'s is `mask_emb` [e], which `__call__`
+  also creates (unused there), so `init` through `__call__` gives the parameters of both.
   """
 
   INPUTS = ("tokens", "segment_ids", "positions")
 
-  @nn.compact
   def __call__(self, tokens, segment_ids, positions, *, token_types=None, train: bool = False, mask=None,
                return_hidden: bool = False):
-    cfg = self.cfg
-    embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=cfg.compute_dtype, name="token_embed")
-    x = self.embed_inputs(embed, tokens, positions, train=train, token_types=token_types)  # [b, t, e]
     if mask is None:
       mask = ops.segment_mask(segment_ids)  # [b, 1, t, t]
-    bias = self.relative_bias(positions, positions, bidirectional=True, name="relative_bias")
-    x = Stack(cfg, cfg.num_layers, deterministic=not train, name="encoder")(x, mask, positions, segment_ids, bias)
+    return self._encode(tokens, positions, mask, segment_ids, token_types=token_types, train=train,
+                        return_hidden=return_hidden)
+
+  def two_stream(self, tokens, positions, content_mask, query_mask, target_mapping, *, token_types=None,
+                 train: bool = False):
+    """XLNet's content and query streams with shared weights; the query stream's MLM logits.
+
+    Args:
+      tokens, positions: [b, t] int; token_types: [b, t] int or None (type 0).
+      content_mask, query_mask: [b, t, t] bool, True = position i may attend j (the content
+        mask is the query mask with the diagonal set).
+      target_mapping: [b, n, t] float32; row m is one-hot at the m-th prediction target's
+        position, or all zero for a padded slot.
+
+    Returns:
+      [b, n, v] float32 logits of the query stream (the `__call__` MLM head).
+
+    The content stream is exactly `__call__`'s computation with mask = content_mask. The query
+    stream lives in slot space: g⁰[m] = mask_emb in place of a token embedding, plus slot m's
+    position embedding (learned / sinusoidal) and token type, with the same embedding scale,
+    norm and dropout as the content stream. Each layer runs the same block on g with keys /
+    values from the content stream's layer input, under query_mask's row of slot m's target
+    (rotary: query position = the target's). Padded slots attend nothing (exact zeros from the
+    attention guard), give finite logits and affect nothing else.
+    """
+    cfg = self.cfg
+    if cfg.position not in TWO_STREAM_POSITIONS:
+      raise ValueError(f"two-stream attention (Encoder.two_stream) needs model.position learned, sinusoidal or "
+                       f"rotary, got {cfg.position!r}; the xlnet family has relative positions")
+    query = QueryStream(slot_mask(target_mapping, query_mask), slot_values(target_mapping, positions))
+    slot_types = None if token_types is None else slot_values(target_mapping, token_types)  # [b, n]
+    return self._encode(tokens, positions, content_mask[:, None], None, token_types=token_types, train=train,
+                        query=query, slot_types=slot_types)
+
+  @nn.compact
+  def _encode(self, tokens, positions, mask, segment_ids, *, token_types, train: bool, return_hidden: bool = False,
+              query: QueryStream | None = None, slot_types=None):
+    """One stream (query None): [b, t] -> logits [b, t, v] or hidden [b, t, e]. Two streams:
+    the query stream's logits [b, n, v]. mask: [b, 1|h, t, t] bool for the content stream."""
+    cfg = self.cfg
+    embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=cfg.compute_dtype, name="token_embed")
+    mask_emb = self.param("mask_emb", nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), ("embed",)),
+                          (cfg.d_model,), jnp.float32)  # [e], the query stream's input (two_stream only)
+    slots = None if query is None else Slots(mask_emb, query.positions, slot_types)
+    x = self.embed_inputs(embed, tokens, positions, train=train, token_types=token_types, slots=slots)
+    stack = Stack(cfg, cfg.num_layers, deterministic=not train, name="encoder")
+    if query is None:
+      bias = self.relative_bias(positions, positions, bidirectional=True, name="relative_bias")
+      x = stack(x, mask, positions, segment_ids, bias)  # [b, t, e]
+    else:
+      _, x = stack(x, mask, positions, segment_ids, query=query)  # the query stream, [b, n, e]
     if cfg.norm == "pre":
       x = make_norm(cfg, "final_norm")(x)
     if return_hidden:

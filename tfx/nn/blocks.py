@@ -2,9 +2,11 @@
 
 A block is self-attention + MLP with residuals; an optional cross-attention sits between
 them for encoder-decoder models. Which tokens see which is decided by the masks passed in.
+A block can also run two streams with shared parameters (XLNet's content and query streams,
+`QueryStream`).
 """
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -21,13 +23,30 @@ REMAT_POLICIES: dict[str, Callable | None] = {
 REMAT_NAMES = ("none",) + tuple(REMAT_POLICIES)
 
 
+class QueryStream(NamedTuple):
+  """What a two-stream layer needs for its query stream besides g (the same for every layer).
+
+  mask: [b, 1|h, n, t] bool, slot m may attend content position j (True = may attend).
+  positions: [b, n] int, each slot's position (the rotary query position).
+  """
+
+  mask: jax.Array
+  positions: jax.Array
+
+
 class Block(nn.Module):
   """One transformer layer: self-attention, optional cross-attention, MLP.
 
-  `__call__(x, mask, positions, segment_ids, bias, encoded, cross_mask) -> (x, None)`, so it
-  can be scanned. x: [b, t, e]; mask: [b, 1|h, t, t] bool; positions, segment_ids: [b, t]
+  `__call__(x, mask, positions, segment_ids, bias, encoded, cross_mask, query) -> (x, None)`, so
+  it can be scanned. x: [b, t, e]; mask: [b, 1|h, t, t] bool; positions, segment_ids: [b, t]
   int; bias: optional [b|1, h, t, t] added to the self-attention scores (T5 relative
   positions); encoded: [b, s, e] encoder output and cross_mask [b, 1, t, s] when `cross`.
+
+  Two streams (XLNet): with `query` (a `QueryStream`), x is the pair (h [b, t, e], g [b, n, e])
+  and so is the result. h is the content stream, computed exactly as x without `query`; g is
+  the query stream of n prediction slots. Every sublayer (its norm, attention, MLP) is the same
+  module for both streams; g's attention takes its keys / values from h's input to the same
+  sublayer (so g is never a key) under `query.mask`.
   """
 
   cfg: ModelConfig
@@ -36,26 +55,48 @@ class Block(nn.Module):
   cross: bool = False
 
   @nn.compact
-  def __call__(self, x, mask, positions, segment_ids, bias=None, encoded=None, cross_mask=None):
+  def __call__(self, x, mask, positions, segment_ids, bias=None, encoded=None, cross_mask=None, query=None):
     cfg = self.cfg
+    if query is not None and (self.cross or self.decode or bias is not None):
+      raise ValueError("two-stream blocks have no cross-attention, KV cache or attention bias")
     drop = lambda y: nn.Dropout(cfg.dropout)(y, deterministic=self.deterministic)
     attn = Attention(cfg, self.deterministic, self.decode, use_rotary=cfg.position == "rotary", name="attention")
-    sublayers = [lambda y: attn(y, y, mask, q_positions=positions, kv_positions=positions, q_segment_ids=segment_ids,
-                                bias=bias)]
+
+    # A sublayer maps (y: its stream's input, kv: the content stream's input, q: None for the
+    # content stream or the QueryStream) to the residual update.
+    def self_attention(y, kv, q):
+      if q is None:
+        return attn(y, kv, mask, q_positions=positions, kv_positions=positions, q_segment_ids=segment_ids, bias=bias)
+      return attn(y, kv, q.mask, q_positions=q.positions, kv_positions=positions)
+
+    sublayers = [self_attention]
     names = ["attention_norm"]
     if self.cross:
       cross = Attention(cfg, self.deterministic, decode=False, name="cross_attention")
-      sublayers.append(lambda y: cross(y, encoded, cross_mask))
+      sublayers.append(lambda y, kv, q: cross(y, encoded, cross_mask))
       names.append("cross_attention_norm")
-    sublayers.append(Mlp(cfg, self.deterministic, name="mlp"))
+    mlp = Mlp(cfg, self.deterministic, name="mlp")
+    sublayers.append(lambda y, kv, q: mlp(y))
     names.append("mlp_norm")
+
+    h, g = (x, None) if query is None else x
     for sublayer, name in zip(sublayers, names):
-      if cfg.norm == "pre":
-        x = x + drop(sublayer(make_norm(cfg, name)(x)))
-      else:  # post-LN
-        x = make_norm(cfg, name)(x + drop(sublayer(x)))
-    x = constrain(x, ("act_batch", "act_length", "act_embed"))
-    return x, None
+      norm = make_norm(cfg, name)
+      h_in = norm(h) if cfg.norm == "pre" else h  # [b, t, e]
+      new_h = _residual(cfg.norm, norm, h, drop(sublayer(h_in, h_in, None)))
+      if g is not None:
+        g_in = norm(g) if cfg.norm == "pre" else g  # [b, n, e]
+        g = _residual(cfg.norm, norm, g, drop(sublayer(g_in, h_in, query)))
+      h = new_h
+    h = constrain(h, ("act_batch", "act_length", "act_embed"))
+    if g is None:
+      return h, None
+    return (h, constrain(g, ("act_batch", "act_length", "act_embed"))), None
+
+
+def _residual(kind: str, norm: nn.Module, x: jax.Array, update: jax.Array) -> jax.Array:
+  """x + update (pre-LN: the norm was applied to the sublayer's input), or norm(x + update)."""
+  return x + update if kind == "pre" else norm(x + update)
 
 
 class Stack(nn.Module):
@@ -64,6 +105,9 @@ class Stack(nn.Module):
   Attributes:
     num_layers: blocks in this stack.
     cross: blocks have cross-attention over an encoder output.
+
+  With `query` (a `QueryStream`), x is the pair (h [b, t, e], g [b, n, e]) of a two-stream
+  model and so is the result (see `Block`).
   """
 
   cfg: ModelConfig
@@ -73,18 +117,20 @@ class Stack(nn.Module):
   cross: bool = False
 
   @nn.compact
-  def __call__(self, x, mask, positions, segment_ids, bias=None, encoded=None, cross_mask=None):
+  def __call__(self, x, mask, positions, segment_ids, bias=None, encoded=None, cross_mask=None, query=None):
     cfg = self.cfg
     block = Block
     if cfg.remat != "none":
       block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
     args = (x, mask, positions, segment_ids, bias, encoded, cross_mask)
+    if query is not None:
+      args += (query,)
     if cfg.scan_layers:
       scanned = nn.scan(
           block,
           variable_axes={"params": 0, "cache": 0},
           split_rngs={"params": True, "dropout": True},
-          in_axes=(nn.broadcast,) * 6,
+          in_axes=(nn.broadcast,) * (len(args) - 1),
           length=self.num_layers,
           metadata_params={nn.PARTITION_NAME: "layers"},
       )
