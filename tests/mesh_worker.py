@@ -1,11 +1,13 @@
 """Runs a few training steps of configs/tiny.py on each requested mesh, on 8 fake CPU devices.
 
 Started by tests/test_sharding.py in its own process (the device count is fixed when JAX
-starts). Writes, per mesh, the train losses and the final parameters to OUT/<mesh>.npz.
+starts). Writes, per mesh, the train losses, the final parameters and, for a stateful objective
+(XLNet memory), the final objective state to OUT/<mesh>.npz.
 
     python tests/mesh_worker.py OUT TOKENIZER CONFIG OVERRIDES "8,1,1" "2,4,1" ...
 
-CONFIG is a file under configs/; OVERRIDES a JSON list of extra --config.k=v arguments.
+CONFIG is a file under configs/; OVERRIDES a JSON list of extra --config.k=v arguments (they
+come last, so they may replace the worker's own step count and batch size).
 """
 
 import json
@@ -52,8 +54,13 @@ def main(out: str, tokenizer: str, config_name: str, overrides: list[str], meshe
     losses = [r["loss"] for r in read_metrics(workdir) if r["split"] == "train"]
     flat = {jax.tree_util.keystr(k): np.asarray(jax.device_get(v))
             for k, v in jax.tree_util.tree_leaves_with_path(state.params)}
+    extra = {}
+    if state.objective_state is not None:  # e.g. XLNet memory [layers, batch, mem, e], sharded on batch
+      memory = state.objective_state
+      extra = {"state": np.asarray(jax.device_get(memory)),
+               "state_shard_shape": np.asarray(memory.sharding.shard_shape(memory.shape))}
     np.savez(os.path.join(out, mesh.replace(",", "_") + ".npz"), losses=np.asarray(losses),
-             shard_shape=np.asarray(shard_shape), full_shape=np.asarray(kernel.shape), **flat)
+             shard_shape=np.asarray(shard_shape), full_shape=np.asarray(kernel.shape), **extra, **flat)
 
 
 if __name__ == "__main__":

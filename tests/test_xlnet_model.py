@@ -18,7 +18,8 @@ V, E, H, L, F = 32, 16, 2, 2, 32
 
 def _cfg(**kw) -> ModelConfig:
   base = dict(family="xlnet", vocab_size=V, max_length=64, num_layers=L, d_model=E, num_heads=H, d_ff=F,
-              mlp="gelu_exact", norm="post", norm_eps=1e-12, mem_len=6, reuse_len=0, clamp_len=-1, untie_r=True)
+              mlp="gelu_exact", norm="post", norm_eps=1e-12, mem_len=6, reuse_len=0, clamp_len=-1, untie_r=True,
+              scan_layers=False)
   base.update(kw)
   return ModelConfig(**base)
 
@@ -164,7 +165,8 @@ def test_new_memory_is_the_tail_of_old_memory_and_layer_inputs(reuse_len, with_m
   (_, new_mems), state = model.apply({"params": params}, tokens, types, content, None, None, mems,
                                      capture_intermediates=True, mutable=["intermediates"])
   inter = state["intermediates"]
-  inputs = [inter["token_embed"]["__call__"][0]] + [inter[f"layer_{k}"]["__call__"][0][0] for k in range(L - 1)]
+  # A layer returns ((h, g), new_mem): layer k's input is layer k - 1's h.
+  inputs = [inter["token_embed"]["__call__"][0]] + [inter[f"layer_{k}"]["__call__"][0][0][0] for k in range(L - 1)]
   assert new_mems.shape == (L, b, mem_len, E)
   for k in range(L):
     cur = np.asarray(inputs[k])[:, :reuse_len or t]
@@ -240,3 +242,86 @@ def test_every_parameter_has_logical_axes():
   assert boxed and all(isinstance(x, nn.Partitioned) for x in boxed)
   names = {n for x in boxed for n in x.names if n is not None}
   assert names <= {"vocab", "embed", "heads", "kv", "mlp", "norm"}
+
+
+# ============================================================================ scan and remat
+
+
+def _stacked(params: dict) -> dict:
+  """Unrolled params (`layer_{i}`) -> the scanned layout (`layers`, stacked on axis 0)."""
+  out = {k: v for k, v in params.items() if not k.startswith("layer_")}
+  out["layers"] = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[params[f"layer_{i}"] for i in range(L)])
+  return out
+
+
+def _compiled(f, *args):
+  """jit(f) compiled for `args` at XLA backend optimisation level 0: these tiny programs then
+  compile ~3x faster (seconds matter on a 2-core CI box) and still run in milliseconds."""
+  return jax.jit(f).lower(*args).compile({"xla_backend_optimization_level": 0})
+
+
+def _two_stream_inputs(m: int, seed: int = 6):
+  b, t = 2, 8
+  rng = np.random.default_rng(seed)
+  tokens = jnp.asarray(rng.integers(0, V, (b, t)))
+  types = jnp.asarray(rng.integers(0, 2, (b, t)))
+  content, query = _perm_masks(np.stack([rng.permutation(t) for _ in range(b)]), m)
+  mapping = jnp.asarray(np.eye(t, dtype=np.float32)[None, :5].repeat(b, 0))  # [b, 5, t]
+  mems = jax.random.normal(jax.random.key(seed), (L, b, m, E)) if m else None
+  return tokens, types, content, query, mapping, mems, jnp.asarray([1.0, -1.0])
+
+
+@pytest.mark.parametrize("untie_r,m", [(True, 6), (False, 0)])
+def test_scanned_and_unrolled_agree(untie_r, m):
+  """Same weights (re-stacked) give the same logits and new memory, query and content streams;
+  the scanned params have exactly the re-stacked tree, with a leading `layers` logical axis."""
+  unrolled = _cfg(untie_r=untie_r, reuse_len=5)
+  scanned = _cfg(untie_r=untie_r, reuse_len=5, scan_layers=True)
+  params = _init(_cfg(untie_r=untie_r))  # reuse_len has no parameters: shares the cached init
+  stacked = _stacked(params)
+  boxed = jax.eval_shape(lambda: XLNet(scanned).init(jax.random.key(0), **XLNet.init_inputs(1, 4)))["params"]
+  assert jax.tree_util.tree_map(np.shape, stacked) == jax.tree_util.tree_map(np.shape, nn.unbox(boxed))
+  layer_boxes = jax.tree_util.tree_leaves(boxed["layers"], is_leaf=lambda x: isinstance(x, nn.Partitioned))
+  assert layer_boxes and all(x.names[0] == "layers" for x in layer_boxes)
+  assert stacked["layers"]["attention"]["seg_embed"].shape == (L, 2, H, E // H)
+  if untie_r:
+    assert stacked["layers"]["attention"]["r_s_bias"].shape == (L, H, E // H)
+  else:
+    assert stacked["r_w_bias"].shape == (H, E // H) and "r_w_bias" not in stacked["layers"]["attention"]
+
+  tokens, types, content, query, mapping, mems, sign = _two_stream_inputs(m)
+
+  def both_streams(cfg, p):  # query stream with memory, content stream without
+    q = XLNet(cfg).apply({"params": p}, tokens, types, content, query, mapping, mems, sign)
+    c = XLNet(cfg).apply({"params": p}, tokens, types, content[..., m:], None, None, None, sign)
+    return q, c
+
+  run = lambda cfg, p: _compiled(functools.partial(both_streams, cfg), p)(p)
+  for (lu, mu), (ls, ms) in zip(run(unrolled, params), run(scanned, stacked)):
+    np.testing.assert_allclose(ls, lu, rtol=1e-5, atol=1e-5)
+    assert ms.shape == (L, 2, 6, E)
+    np.testing.assert_allclose(ms, mu, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("scan_layers,remat", [(True, "full")])  # (False, "dots") passes too; ~9 s more
+def test_remat_gives_the_same_outputs_and_gradients(scan_layers, remat):
+  """Dropout on (so the recomputed masks must be the same ones), memory in and out."""
+  params = _init(_cfg())
+  params = _stacked(params) if scan_layers else params
+  inputs = _two_stream_inputs(6, seed=7)
+
+  def loss(cfg, p):
+    logits, new_mems = XLNet(cfg).apply({"params": p}, *inputs, train=True, rngs={"dropout": jax.random.key(1)})
+    return jnp.sum(jnp.tanh(logits)) + jnp.sum(new_mems), (logits, new_mems)
+
+  def run(**kw):
+    cfg = _cfg(scan_layers=scan_layers, dropout=0.1, attention_dropout=0.1, **kw)
+    return _compiled(jax.value_and_grad(functools.partial(loss, cfg), has_aux=True), params)(params)
+
+  (la, (logits_a, mems_a)), ga = run()
+  (lb, (logits_b, mems_b)), gb = run(remat=remat)
+  np.testing.assert_allclose(logits_b, logits_a, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(mems_b, mems_a, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(lb, la, rtol=1e-6)
+  close = lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5 * float(np.abs(y).max()))
+  jax.tree_util.tree_map(close, gb, ga)

@@ -21,6 +21,9 @@ Supported architectures (both directions):
 - `T5ForConditionalGeneration` -> `encoder_decoder` family: rmsnorm, no biases, relative
   position buckets, unscaled attention. v1.0 (`relu`, tied, logits scaled by d_model**-0.5:
   `scale_tied_logits=True`) and v1.1 (`gated-gelu` = `geglu`, untied `lm_head`).
+- `XLNetLMHeadModel` -> `xlnet` family (objective `permutation_lm`): two-stream relative
+  attention with memory, tied LM head plus bias, per-layer or shared r_*_bias (see the XLNet
+  section below).
 
 HF Linear weights are [out, in]; tfx DenseGeneral kernels are [in..., out...] with the heads
 split out ([e, h, d] for query/key/value, [h, d, e] for the attention output). Parameters are
@@ -42,7 +45,8 @@ import numpy as np
 
 from tfx.errors import UserError
 
-ARCHITECTURES = ("BertForMaskedLM", "RobertaForMaskedLM", "GPT2LMHeadModel", "T5ForConditionalGeneration")
+ARCHITECTURES = ("BertForMaskedLM", "RobertaForMaskedLM", "GPT2LMHeadModel", "T5ForConditionalGeneration",
+                 "XLNetLMHeadModel")
 _MODEL_TYPES = {"bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM", "gpt2": "GPT2LMHeadModel",
                 "t5": "T5ForConditionalGeneration"}
 # HF tensors that carry no information tfx needs (tied copies, buffers, unused heads).
@@ -122,6 +126,64 @@ class _Layout:
 
   globals: list[_Rule]
   stacks: list[tuple[str, int, list[_Rule]]]  # (tfx stack name, number of layers, rules)
+
+
+def _layer_path(stack: str, name: str, layer: int | None = None) -> str:
+  """Where a per-layer parameter lives: `<stack>/layers/<name>` (scanned, stacked on axis 0) or
+  `<stack>/layer_{i}/<name>` (unrolled). A stack named "" is the top of the tree (XLNet)."""
+  where = "layers" if layer is None else f"layer_{layer}"
+  return f"{stack}/{where}/{name}" if stack else f"{where}/{name}"
+
+
+def _layout_params(layout: _Layout, fetch: Callable[[tuple[str, ...]], Arrays], scanned: bool) -> dict:
+  """The tfx params tree of `layout`; `fetch(hf names)` returns those HF tensors. Per-layer
+  parameters are stacked on a leading layers axis when `scanned`."""
+  params: dict = {}
+  for rule in layout.globals:
+    for name, value in zip(rule.tfx, rule.load(fetch(rule.hf))):
+      _set(params, name, value)
+  for stack, n, rules in layout.stacks:
+    per_layer: dict[str, list[np.ndarray]] = {}
+    for i in range(n):
+      for rule in rules:
+        values = rule.load(fetch(tuple(s.format(i=i) for s in rule.hf)))
+        for name, value in zip(rule.tfx, values):
+          per_layer.setdefault(name, []).append(value)
+    for name, values in per_layer.items():
+      if scanned:
+        _set(params, _layer_path(stack, name), np.stack(values))
+      else:
+        for i, value in enumerate(values):
+          _set(params, _layer_path(stack, name, i), value)
+  return params
+
+
+def _layout_scanned(layout: _Layout, params: dict) -> bool:
+  """Whether `params` holds the layers of `layout` stacked (`layers`) rather than unrolled."""
+  return any("layers" in (params.get(stack, {}) if stack else params) for stack, _, _ in layout.stacks)
+
+
+def _layout_tensors(layout: _Layout, params: dict) -> dict[str, np.ndarray]:
+  """The HF tensors (float32) of a tfx params tree, scanned or unrolled: `_layout_params`'s
+  inverse."""
+  scanned = _layout_scanned(layout, params)
+  tensors: dict[str, np.ndarray] = {}
+
+  def put(names: tuple[str, ...], values: Arrays) -> None:
+    for n, v in zip(names, values):
+      tensors[n] = np.ascontiguousarray(np.asarray(v, np.float32))
+
+  for rule in layout.globals:
+    put(rule.hf, rule.save([_get(params, p) for p in rule.tfx]))
+  for stack, n, rules in layout.stacks:
+    for i in range(n):
+      for rule in rules:
+        if scanned:
+          values = [_get(params, _layer_path(stack, p))[i] for p in rule.tfx]
+        else:
+          values = [_get(params, _layer_path(stack, p, i)) for p in rule.tfx]
+        put(tuple(s.format(i=i) for s in rule.hf), rule.save(values))
+  return tensors
 
 
 def _bert_layout(m, prefix: str, head: str, pos_offset: int) -> _Layout:
@@ -226,6 +288,8 @@ def _t5_layout(m, lm_head_scale: float = 1.0) -> _Layout:
 
 
 def _layout(arch: str, m, hf_cfg: dict) -> _Layout:
+  if arch == XLNET:
+    return _xlnet_layout(m)
   if arch == "BertForMaskedLM":
     return _bert_layout(m, "bert", "cls", 0)
   if arch == "RobertaForMaskedLM":
@@ -499,7 +563,7 @@ def from_hf(path: str, *, scan_layers: bool = True) -> tuple[ml_collections.Conf
   with open(cfg_path) as f:
     hf_cfg = json.load(f)
   if _is_xlnet(hf_cfg):
-    return _xlnet_from_hf(path, hf_cfg)
+    return _xlnet_from_hf(path, hf_cfg, scan_layers)
   arch = _architecture(hf_cfg)
   config = _tfx_config(arch, hf_cfg)
   config.model.scan_layers = scan_layers
@@ -522,23 +586,7 @@ def from_hf(path: str, *, scan_layers: bool = True) -> tuple[ml_collections.Conf
     used.update(names)
     return [tensors[n] for n in names]
 
-  params: dict = {}
-  for rule in layout.globals:
-    for name, value in zip(rule.tfx, rule.load(fetch(rule.hf))):
-      _set(params, name, value)
-  for stack, n, rules in layout.stacks:
-    per_layer: dict[str, list[np.ndarray]] = {}
-    for i in range(n):
-      for rule in rules:
-        values = rule.load(fetch(tuple(s.format(i=i) for s in rule.hf)))
-        for name, value in zip(rule.tfx, values):
-          per_layer.setdefault(name, []).append(value)
-    for name, values in per_layer.items():
-      if m.scan_layers:
-        _set(params, f"{stack}/layers/{name}", np.stack(values))
-      else:
-        for i, value in enumerate(values):
-          _set(params, f"{stack}/layer_{i}/{name}", value)
+  params = _layout_params(layout, fetch, m.scan_layers)
   if fold_types:
     types = fetch((f"{'roberta' if arch == 'RobertaForMaskedLM' else 'bert'}.embeddings.token_type_embeddings.weight",))
     params["position_embed"]["embedding"] = params["position_embed"]["embedding"] + types[0][0]
@@ -554,16 +602,20 @@ def from_hf(path: str, *, scan_layers: bool = True) -> tuple[ml_collections.Conf
   return config, params
 
 
-# ============================================================================ XLNet (import only)
+# ============================================================================ XLNet
 #
-# `XLNetLMHeadModel` -> `xlnet` family (tfx/models/xlnet.py), objective `permutation_lm`.
+# `XLNetLMHeadModel` <-> `xlnet` family (tfx/models/xlnet.py), objective `permutation_lm`.
 # HF stores rel_attn.{q,k,v,r} as [d_model, n_head, d_head] (= the tfx kernels) and o as
 # [d_model, n_head, d_head] (tfx out kernel [h, d, e]: transposed). HF keeps r_*_bias per layer
-# whatever `untie_r` says; identical biases in every layer import as shared (`untie_r=False`),
-# otherwise per layer. Layers are always unrolled (`layer_{i}/...`); `scan_layers` is ignored.
-# HF's `reuse_len` None means "cache every row": it imports as 0 (= all rows).
+# whatever `untie_r` says; identical biases in every layer import as shared (`untie_r=False`,
+# top-level `r_*_bias`), otherwise per layer; export writes shared biases into every layer.
+# Layers are stacked under `layers` (scan_layers=True, the default) or unrolled as `layer_{i}`,
+# as for the other architectures; the untied r_*_bias and seg_embed are per-layer parameters
+# like any other. HF's `reuse_len` / `mem_len` None mean "cache every row" / "no memory": they
+# import as 0 and 0 exports as None. The LM head is tied (lm_loss.weight is not written).
 
 XLNET = "XLNetLMHeadModel"
+_XLNET_BIASES = ("r_w_bias", "r_r_bias", "r_s_bias")
 
 
 def _is_xlnet(hf_cfg: dict) -> bool:
@@ -571,9 +623,11 @@ def _is_xlnet(hf_cfg: dict) -> bool:
   return XLNET in archs or (not archs and hf_cfg.get("model_type") == "xlnet")
 
 
-def _xlnet_config(hf: dict, untie_r: bool) -> ml_collections.ConfigDict:
+def _xlnet_config(hf: dict, untie_r: bool, scan_layers: bool) -> ml_collections.ConfigDict:
   if hf.get("attn_type", "bi") != "bi":
     raise ConvertError(f"{XLNET}: attn_type {hf.get('attn_type')!r} is not supported (only 'bi')")
+  if hf.get("same_length", False):
+    raise ConvertError(f"{XLNET}: same_length=True is not supported")
   if hf["d_head"] * hf["n_head"] != hf["d_model"]:
     raise ConvertError(f"{XLNET}: d_head * n_head ({hf['d_head']} * {hf['n_head']}) must equal d_model "
                        f"({hf['d_model']})")
@@ -586,7 +640,7 @@ def _xlnet_config(hf: dict, untie_r: bool) -> ml_collections.ConfigDict:
   m.mlp, m.use_bias, m.type_vocab_size, m.tie_embeddings = _activation(hf.get("ff_activation", "gelu"), XLNET), \
       True, 0, True
   m.dropout = m.attention_dropout = float(hf.get("dropout", 0.1))
-  m.scan_layers = False
+  m.scan_layers = scan_layers
   extra = {"mem_len": int(hf.get("mem_len") or 0), "reuse_len": int(hf.get("reuse_len") or 0),
            "clamp_len": int(hf.get("clamp_len", -1)), "untie_r": bool(untie_r)}
   with c.unlocked():  # the xlnet fields may not be in configs/base.py yet
@@ -599,54 +653,71 @@ def _xlnet_config(hf: dict, untie_r: bool) -> ml_collections.ConfigDict:
   return c
 
 
-def _xlnet_rules(n_layers: int, untie_r: bool) -> list[_Rule]:
-  t = "transformer"
-  o_load = _one(lambda w: np.ascontiguousarray(w.transpose(1, 2, 0)))  # [e, h, d] -> [h, d, e]
-  o_save = _one(lambda k: np.ascontiguousarray(k.transpose(2, 0, 1)))
-  rules = [_rule(f"{t}.word_embedding.weight", "token_embed/embedding"),
-           _rule(f"{t}.mask_emb", "mask_emb", _one(lambda w: w.reshape(-1)), _one(lambda k: k.reshape(1, 1, -1))),
-           _rule("lm_loss.bias", "output_bias")]
-  for i in range(n_layers):
-    L, a = f"{t}.layer.{i}", f"layer_{i}"
-    rules += [_rule(f"{L}.rel_attn.{hf}", f"{a}/attention/{name}/kernel")
-              for hf, name in (("q", "query"), ("k", "key"), ("v", "value"), ("r", "relative"))]
-    rules += [_rule(f"{L}.rel_attn.o", f"{a}/attention/out/kernel", o_load, o_save),
-              _rule(f"{L}.rel_attn.seg_embed", f"{a}/attention/seg_embed"),
-              *_norm(f"{L}.rel_attn.layer_norm", f"{a}/attention/attention_norm"),
-              _linear(f"{L}.ff.layer_1.weight", f"{a}/mlp/wi_0/kernel"), _rule(f"{L}.ff.layer_1.bias", f"{a}/mlp/wi_0/bias"),
-              _linear(f"{L}.ff.layer_2.weight", f"{a}/mlp/wo/kernel"), _rule(f"{L}.ff.layer_2.bias", f"{a}/mlp/wo/bias"),
-              *_norm(f"{L}.ff.layer_norm", f"{a}/mlp_norm")]
-    for b in ("r_w_bias", "r_r_bias", "r_s_bias"):
-      if untie_r:
-        rules.append(_rule(f"{L}.rel_attn.{b}", f"{a}/attention/{b}"))
-      elif i == 0:
-        rules.append(_rule(f"{L}.rel_attn.{b}", b))
-  return rules
+def _xlnet_layout(m) -> _Layout:
+  """Global tensors, then the per-layer ones (`{i}`) of the single top-level stack ("")."""
+  n, t = m.num_layers, "transformer"
+  g = [_rule(f"{t}.word_embedding.weight", "token_embed/embedding"),
+       _rule(f"{t}.mask_emb", "mask_emb", _one(lambda w: w.reshape(-1)), _one(lambda k: k.reshape(1, 1, -1))),
+       _rule("lm_loss.bias", "output_bias")]
+  if not m.untie_r:  # one shared bias <-> a copy in every HF layer (import reads layer 0)
+    g += [_rule(tuple(f"{t}.layer.{i}.rel_attn.{b}" for i in range(n)), b, lambda xs: [xs[0]],
+                lambda ks: [ks[0]] * n) for b in _XLNET_BIASES]
+  L = f"{t}.layer.{{i}}"
+  layer = [_rule(f"{L}.rel_attn.{hf}", f"attention/{name}/kernel")
+           for hf, name in (("q", "query"), ("k", "key"), ("v", "value"), ("r", "relative"))]
+  layer += [_rule(f"{L}.rel_attn.o", "attention/out/kernel", _one(lambda w: np.ascontiguousarray(w.transpose(1, 2, 0))),
+                  _one(lambda k: np.ascontiguousarray(k.transpose(2, 0, 1)))),  # [e, h, d] <-> [h, d, e]
+            _rule(f"{L}.rel_attn.seg_embed", "attention/seg_embed"),
+            *_norm(f"{L}.rel_attn.layer_norm", "attention/attention_norm"),
+            _linear(f"{L}.ff.layer_1.weight", "mlp/wi_0/kernel"), _rule(f"{L}.ff.layer_1.bias", "mlp/wi_0/bias"),
+            _linear(f"{L}.ff.layer_2.weight", "mlp/wo/kernel"), _rule(f"{L}.ff.layer_2.bias", "mlp/wo/bias"),
+            *_norm(f"{L}.ff.layer_norm", "mlp_norm")]
+  if m.untie_r:
+    layer += [_rule(f"{L}.rel_attn.{b}", f"attention/{b}") for b in _XLNET_BIASES]
+  return _Layout(g, [("", n, layer)])
 
 
-def _xlnet_from_hf(path: str, hf_cfg: dict) -> tuple[ml_collections.ConfigDict, dict]:
+def _xlnet_hf_config(config, ids: dict) -> dict:
+  """The HF XLNetConfig (as config.json) of a tfx xlnet config; bi_data comes from the objective."""
+  m = config.model
+  _require(m.family == "xlnet", XLNET, f"model.family is {m.family!r}, not 'xlnet'")
+  _require(m.position == "relative" and m.norm == "post" and m.norm_type == "layernorm" and m.use_bias
+           and m.tie_embeddings and not m.embed_norm and not m.embed_scale, XLNET,
+           "it needs position=relative, norm=post, norm_type=layernorm, use_bias, tie_embeddings and no "
+           "embed_norm / embed_scale")
+  _require(m.mlp in _TFX_ACT, XLNET, f"mlp {m.mlp!r} has no HF equivalent (gelu, gelu_exact, relu do)")
+  _require(m.d_model % m.num_heads == 0, XLNET, f"d_model {m.d_model} is not a multiple of num_heads {m.num_heads}")
+  mem_len = int(m.get("mem_len", 0))
+  out = {"architectures": [XLNET], "model_type": "xlnet", "vocab_size": config.data.vocab_size, "d_model": m.d_model,
+         "n_layer": m.num_layers, "n_head": m.num_heads, "d_head": m.d_model // m.num_heads, "d_inner": m.d_ff,
+         "ff_activation": _TFX_ACT[m.mlp], "untie_r": bool(m.get("untie_r", True)), "attn_type": "bi",
+         "initializer_range": m.init_std, "layer_norm_eps": m.norm_eps,
+         "dropout": m.dropout,  # HF has one rate (import sets attention_dropout to it too)
+         "mem_len": mem_len or None, "reuse_len": int(m.get("reuse_len", 0)) or None,
+         "clamp_len": int(m.get("clamp_len", -1)), "bi_data": bool(config.objective.get("bi_data", False)),
+         "same_length": False, "use_mems_eval": True, "use_mems_train": mem_len > 0, "tie_word_embeddings": True}
+  out.update({f"{k}_token_id": v for k, v in ids.items() if k in ("pad", "bos", "eos")})
+  return out
+
+
+def _xlnet_from_hf(path: str, hf_cfg: dict, scan_layers: bool) -> tuple[ml_collections.ConfigDict, dict]:
   """`from_hf` for an `XLNetLMHeadModel` directory (see the section comment)."""
-  import flax.linen as nn  # noqa: PLC0415
-  import jax  # noqa: PLC0415
-
-  from tfx.models.xlnet import XLNet  # noqa: PLC0415  (registers the family)
-  from tfx.nn.layers import ModelConfig  # noqa: PLC0415
-
   tensors = _load_tensors(path)
   n = int(hf_cfg["n_layer"])
   tied_biases = all(np.array_equal(tensors.get(f"transformer.layer.{i}.rel_attn.{b}"),
                                    tensors.get(f"transformer.layer.0.rel_attn.{b}"))
-                    for i in range(n) for b in ("r_w_bias", "r_r_bias", "r_s_bias"))
-  untie_r = not tied_biases
-  config = _xlnet_config(hf_cfg, untie_r)
-  params: dict = {}
-  for rule in _xlnet_rules(n, untie_r):
-    missing = [k for k in rule.hf if k not in tensors]
+                    for i in range(n) for b in _XLNET_BIASES)
+  config = _xlnet_config(hf_cfg, not tied_biases, scan_layers)
+  used: set[str] = set()
+
+  def fetch(names: tuple[str, ...]) -> Arrays:
+    missing = [k for k in names if k not in tensors]
     if missing:
       raise ConvertError(f"{path}: the {XLNET} checkpoint lacks tensor(s) {', '.join(missing)}")
-    for name, value in zip(rule.tfx, rule.load([tensors[k] for k in rule.hf])):
-      _set(params, name, value)
-  used = {k for rule in _xlnet_rules(n, True) for k in rule.hf}
+    used.update(names)
+    return [tensors[k] for k in names]
+
+  params = _layout_params(_xlnet_layout(config.model), fetch, scan_layers)
   head = tensors.get("lm_loss.weight")
   if head is not None and not np.array_equal(head, tensors["transformer.word_embedding.weight"]):
     raise ConvertError(f"{path}: lm_loss.weight differs from the word embedding; tfx's xlnet head is tied")
@@ -654,14 +725,7 @@ def _xlnet_from_hf(path: str, hf_cfg: dict) -> tuple[ml_collections.ConfigDict, 
   leftover = sorted(k for k in tensors if k not in used)
   if leftover:
     raise ConvertError(f"{path}: tensors tfx has no place for: {', '.join(leftover[:8])}")
-  cfg = ModelConfig.from_config(config.model, vocab_size=config.data.vocab_size, max_length=config.data.seq_len)
-  shapes = jax.eval_shape(lambda: nn.unbox(XLNet(cfg).init(jax.random.key(0), **XLNet.init_inputs(1, 8)))["params"])
-  want = {k: tuple(v.shape) for k, v in _flatten(shapes).items()}
-  got = {k: tuple(np.shape(v)) for k, v in _flatten(params).items()}
-  if want != got:
-    diff = sorted(set(want) ^ set(got)) or [k for k in want if want[k] != got[k]]
-    raise ConvertError(f"{path}: the converted parameters do not match the tfx model: "
-                       + "; ".join(f"{k}: tfx {want.get(k)} vs converted {got.get(k)}" for k in diff[:6]))
+  _check_shapes(config, params, path)
   return config, params
 
 
@@ -685,8 +749,10 @@ def _default_architecture(config) -> str:
     return "T5ForConditionalGeneration"
   if fam == "encoder":
     return "BertForMaskedLM" if config.model.type_vocab_size >= 2 else "RobertaForMaskedLM"
+  if fam == "xlnet":
+    return XLNET
   raise ConvertError(f"model.family {fam!r} has no HF export; tfx exports encoder (BERT/RoBERTa), "
-                     "decoder (GPT-2) and encoder_decoder (T5)")
+                     "decoder (GPT-2), encoder_decoder (T5) and xlnet (XLNet)")
 
 
 def _require(cond: bool, arch: str, what: str) -> None:
@@ -697,6 +763,8 @@ def _require(cond: bool, arch: str, what: str) -> None:
 def _hf_config(arch: str, config, special_ids: dict | None) -> dict:
   m, ids = config.model, dict(special_ids or {})
   d_ff = m.d_ff
+  if arch == XLNET:
+    return _xlnet_hf_config(config, ids)
   if arch in ("BertForMaskedLM", "RobertaForMaskedLM"):
     _require(m.family == "encoder", arch, f"model.family is {m.family!r}, not 'encoder'")
     _require(m.position == "learned" and m.norm == "post" and m.norm_type == "layernorm" and m.embed_norm
@@ -783,24 +851,7 @@ def to_hf(config, params: dict, path: str, *, architecture: str | None = None,
   hf_cfg = _hf_config(arch, config, special_ids)
   m = config.model
   layout = _layout(arch, m, hf_cfg)
-  scanned = any("layers" in params.get(stack, {}) for stack, _, _ in layout.stacks)
-
-  tensors: dict[str, np.ndarray] = {}
-
-  def put(names: tuple[str, ...], values: Arrays) -> None:
-    for n, v in zip(names, values):
-      tensors[n] = np.ascontiguousarray(np.asarray(v, np.float32))
-
-  for rule in layout.globals:
-    put(rule.hf, rule.save([_get(params, p) for p in rule.tfx]))
-  for stack, n, rules in layout.stacks:
-    for i in range(n):
-      for rule in rules:
-        if scanned:
-          values = [_get(params, f"{stack}/layers/{p}")[i] for p in rule.tfx]
-        else:
-          values = [_get(params, f"{stack}/layer_{i}/{p}") for p in rule.tfx]
-        put(tuple(s.format(i=i) for s in rule.hf), rule.save(values))
+  tensors = _layout_tensors(layout, params)
   if arch in ("BertForMaskedLM", "RobertaForMaskedLM") and not m.type_vocab_size:
     prefix = "roberta" if arch == "RobertaForMaskedLM" else "bert"
     tensors[f"{prefix}.embeddings.token_type_embeddings.weight"] = np.zeros((1, m.d_model), np.float32)

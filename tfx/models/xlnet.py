@@ -10,6 +10,11 @@ Config fields read with defaults (so this runs before configs/base.py has them):
 `mem_len` (0 = no memory), `reuse_len` (0 = all t rows), `clamp_len` (-1 = off), `untie_r`
 (True: r_*_bias per layer). `type_vocab_size` is unused: XLNet has no type embedding; token
 types enter only through s_ij = [type_i != type_j] and the learned seg_embed [2, h, d].
+
+Layers: `scan_layers` runs them as one nn.scan with parameters stacked on a leading `layers`
+axis (per-layer r_*_bias and seg_embed included), the memory [l, b, m, e] scanned in and the new
+memory scanned out; otherwise they are unrolled as `layer_{i}`. `remat` wraps each layer in
+nn.remat with tfx/nn/blocks.py's policies, as `Stack` does.
 """
 
 from typing import ClassVar
@@ -19,9 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from tfx.models.base import Family
+from tfx.nn.blocks import REMAT_POLICIES
 from tfx.nn.layers import Embed, ModelConfig
-from tfx.nn.xlnet import XLNetLayer, cache_memory, distance_table, relative_encoding, segment_difference, \
-    shared_biases
+from tfx.nn.xlnet import XLNetLayer, distance_table, relative_encoding, segment_difference, shared_biases
 from tfx.registry import FAMILIES
 
 
@@ -58,7 +63,6 @@ class XLNet(Family):
                bi_sign=None, *, train: bool = False):
     cfg = self.cfg
     mem_len = cfg.mem_len
-    reuse_len = cfg.reuse_len
     clamp_len = cfg.clamp_len
     untie_r = cfg.untie_r
     if target_mapping is not None and query_mask is None:
@@ -83,13 +87,28 @@ class XLNet(Family):
     if mems is not None:
       mems = jax.lax.stop_gradient(mems)
 
-    new_mems = []
-    for i in range(cfg.num_layers):
-      mem = None if mems is None else mems[i]
-      if mem_len > 0:
-        new_mems.append(cache_memory(mem, h, mem_len, reuse_len))
-      h, g = XLNetLayer(cfg, not train, name=f"layer_{i}")(h, g, mem, r, index, seg_diff, content_mask, query_mask,
-                                                            target_mapping, biases)
+    layer = XLNetLayer
+    if cfg.remat != "none":
+      layer = nn.remat(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+    shared = (r, index, seg_diff, content_mask, query_mask, target_mapping, biases)  # the same for every layer
+    if cfg.scan_layers:
+      # Parameters stacked on a leading `layers` axis; mems [l, b, m, e] scanned in, new_mems out.
+      scanned = nn.scan(
+          layer,
+          variable_axes={"params": 0},
+          split_rngs={"params": True, "dropout": True},
+          in_axes=(nn.broadcast if mems is None else 0,) + (nn.broadcast,) * len(shared),
+          length=cfg.num_layers,
+          metadata_params={nn.PARTITION_NAME: "layers"},
+      )
+      (h, g), new_mems = scanned(cfg, not train, name="layers")((h, g), mems, *shared)  # new_mems [l, b, mem_len, e]
+    else:
+      carry, caches = (h, g), []
+      for i in range(cfg.num_layers):
+        carry, new_mem = layer(cfg, not train, name=f"layer_{i}")(carry, None if mems is None else mems[i], *shared)
+        caches.append(new_mem)
+      h, g = carry
+      new_mems = jnp.stack(caches) if mem_len > 0 else None  # [l, b, mem_len, e]
     out = drop(h if g is None else g)
     logits = self.lm_head(embed, out, bias=True)  # [b, n|t, v]
-    return logits, (jnp.stack(new_mems) if new_mems else None)
+    return logits, new_mems

@@ -260,22 +260,41 @@ class TwoStreamAttention(nn.Module):
 
 
 class XLNetLayer(nn.Module):
-  """Two-stream relative attention then a post-LN FFN (shared by both streams)."""
+  """Two-stream relative attention then a post-LN FFN (shared by both streams), and this
+  layer's new memory.
+
+  The call has nn.scan's form `(carry, per-layer input, broadcast inputs...) -> (carry,
+  per-layer output)`, so the same module runs unrolled (`layer_{i}`) or scanned over a stacked
+  `layers` axis, with the memory scanned in and the new memory scanned out.
+  """
 
   cfg: ModelConfig
   deterministic: bool = True
 
   @nn.compact
-  def __call__(self, h, g, mem, r, index, seg_diff, content_mask, query_mask, target_mapping, biases=None):
-    """Same arguments as `TwoStreamAttention`; returns (h [b, t, e], g [b, n, e] or None)."""
+  def __call__(self, carry, mem, r, index, seg_diff, content_mask, query_mask, target_mapping, biases=None):
+    """Runs one layer.
+
+    Args:
+      carry: (h [b, t, e], g [b, n, e] or None), the streams entering the layer.
+      mem: [b, m, e] this layer's memory, or None.
+      r, index, seg_diff, content_mask, query_mask, target_mapping, biases: as
+        `TwoStreamAttention` (the same for every layer).
+
+    Returns:
+      ((h [b, t, e], g [b, n, e] or None), new_mem): new_mem is `cache_memory` of this layer's
+      memory and input h, [b, mem_len, e], or None when cfg.mem_len == 0.
+    """
     cfg = self.cfg
+    h, g = carry
+    new_mem = cache_memory(mem, h, cfg.mem_len, cfg.reuse_len) if cfg.mem_len > 0 else None
     h, g = TwoStreamAttention(cfg, self.deterministic, name="attention")(
         h, g, mem, r, index, seg_diff, content_mask, query_mask, target_mapping, biases)
     mlp = Mlp(cfg, self.deterministic, name="mlp")
     norm = Norm("layernorm", cfg.norm_eps, use_bias=True, dtype=cfg.compute_dtype, name="mlp_norm")
     drop = lambda x: nn.Dropout(cfg.dropout)(x, deterministic=self.deterministic)
     ffn = lambda x: norm(x + drop(mlp(x)))
-    return ffn(h), (None if g is None else ffn(g))
+    return (ffn(h), None if g is None else ffn(g)), new_mem
 
 
 def cache_memory(prev: jax.Array | None, h: jax.Array, mem_len: int, reuse_len: int = 0) -> jax.Array:
