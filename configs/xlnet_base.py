@@ -35,7 +35,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.clamp_len = -1
   c.model.untie_r = True
   c.model.tie_embeddings = True
-  c.model.scan_layers = False
   c.model.dropout = 0.1
   c.model.attention_dropout = 0.1
   c.objective.name = "permutation_lm"

@@ -482,6 +482,15 @@ class PermutationLM(Objective):
       if o.get("row_layout", "xlnet") == "xlnet" and 0 < m.type_vocab_size < 3:
         problems.append(f"the XLNet row layout has token types 0/1/2 but model.type_vocab_size={m.type_vocab_size}; "
                         "set model.type_vocab_size=3 (or 0), or objective.row_layout=plain")
+    if m.family == "xlnet" and m.mem_len:
+      try:
+        _, reuse_len, _ = resolve_lengths(config.data.seq_len, o.num_predict, o.reuse_len, o.perm_size)
+      except ValueError:
+        reuse_len = None  # reported by the objective's own checks
+      if reuse_len is not None and m.reuse_len != reuse_len:
+        problems.append(f"model.reuse_len={m.reuse_len} must equal the objective's reuse length {reuse_len} "
+                        "(objective.reuse_len, 0 = seq_len // 2): the memory is built from the first reuse_len "
+                        "positions, which the next row continues; set both to the same value")
     if o.get("bi_data", False) and config.train.batch_size % 2:
       problems.append(f"objective.bi_data=True reads half the batch backwards and needs an even train.batch_size, "
                       f"got {config.train.batch_size}")
