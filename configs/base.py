@@ -24,8 +24,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.num_decoder_layers = 0
   # Width of the residual stream.
   c.model.d_model = 256
-  # Attention heads; must divide d_model. head_dim = d_model // num_heads.
+  # Attention heads; must divide d_model unless head_dim is set.
   c.model.num_heads = 4
+  # Width of each head (0 = d_model // num_heads); T5 v1.1 small has 6 heads of 64 on d_model 512.
+  c.model.head_dim = 0
   # Hidden width of the MLP (for gated MLPs, of each of the two input projections).
   c.model.d_ff = 1024
   # Position information: 'learned' (absolute table of data.seq_len rows), 'sinusoidal'

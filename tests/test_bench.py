@@ -106,7 +106,7 @@ XLNET = ["--config.model.family=xlnet", "--config.objective.name=permutation_lm"
     [],
     ["--config.model.family=encoder", "--config.objective.name=masked_lm"],
     ["--config.model.family=encoder_decoder", "--config.objective.name=span_corruption",
-     "--config.model.position=relative"],
+     "--config.model.position=relative", "--config.model.num_heads=6", "--config.model.head_dim=16"],  # 96 wide
     XLNET,
     XLNET + ["--config.model.mem_len=32", "--config.model.reuse_len=32"],
     ["--config.model.family=encoder", "--config.objective.name=permutation_lm", "--config.model.type_vocab_size=3",

@@ -58,6 +58,7 @@ def test_valid_configs_pass():
                "roberta_tiny.py", "t5_tiny.py", "xlnet_base.py", "xlnet_tiny.py"):
     validate(load_config(os.path.join(ROOT, "configs", name)), num_devices=1)
   validate(tiny_config("--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"), num_devices=8)
+  validate(tiny_config("--config.model.num_heads=6", "--config.model.head_dim=16"), num_devices=1)  # 6 x 16 on 64
 
 
 XLNET = ["--config.model.family=xlnet", "--config.objective.name=permutation_lm"]
@@ -65,6 +66,8 @@ XLNET = ["--config.model.family=xlnet", "--config.objective.name=permutation_lm"
 
 @pytest.mark.parametrize("overrides, devices, message", [
     (["--config.model.num_heads=3"], 1, "num_heads=3 does not divide model.d_model=64"),
+    (["--config.model.num_heads=3", "--config.model.head_dim=5", "--config.model.position=rotary"], 1,
+     "rotary positions need an even head dim; got 5"),
     (["--config.mesh.data=4"], 8, r"needs 4 devices but there are 8"),
     (["--config.mesh.data=3", "--config.mesh.fsdp=-1"], 8, "does not fit 8 devices"),
     (["--config.mesh.data=-1", "--config.mesh.fsdp=-1"], 8, "at most one of"),

@@ -203,12 +203,17 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int, process_cou
   for key in ("num_layers", "d_model", "num_heads", "d_ff"):
     if m[key] <= 0:
       problems.append(f"model.{key}={m[key]} must be positive")
-  if m.num_heads > 0 and m.d_model % m.num_heads:
+  head_dim = m.get("head_dim", 0)
+  if head_dim < 0:
+    problems.append(f"model.head_dim={head_dim} must be >= 0 (0 = d_model // num_heads)")
+  elif m.num_heads > 0 and not head_dim and m.d_model % m.num_heads:
     problems.append(
         f"model.num_heads={m.num_heads} does not divide model.d_model={m.d_model}; "
-        f"pick heads that divide it (e.g. {', '.join(str(h) for h in _divisors(m.d_model)[:6])})")
-  elif m.num_heads > 0 and m.position == "rotary" and (m.d_model // m.num_heads) % 2:
-    problems.append(f"rotary positions need an even head dim; d_model/num_heads = {m.d_model // m.num_heads}")
+        f"pick heads that divide it (e.g. {', '.join(str(h) for h in _divisors(m.d_model)[:6])}) or set model.head_dim")
+  elif m.num_heads > 0 and m.position == "rotary" and (head_dim or m.d_model // m.num_heads) % 2:
+    problems.append(f"rotary positions need an even head dim; got {head_dim or m.d_model // m.num_heads}")
+  if head_dim and m.family == "xlnet" and head_dim * m.num_heads != m.d_model:
+    problems.append("the xlnet family needs num_heads * head_dim == d_model; set model.head_dim=0")
   if m.position == "relative" and m.family == "decoder":
     problems.append("model.position='relative' (T5 buckets) is implemented for the encoder and encoder_decoder "
                     "families; use 'rotary' or 'learned' for the decoder")

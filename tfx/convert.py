@@ -187,7 +187,7 @@ def _layout_tensors(layout: _Layout, params: dict) -> dict[str, np.ndarray]:
 
 
 def _bert_layout(m, prefix: str, head: str, pos_offset: int) -> _Layout:
-  h, d = m.num_heads, m.d_model // m.num_heads
+  h, d = m.num_heads, _head_dim(m)
   p = f"{prefix}.embeddings"
   g = [_rule(f"{p}.word_embeddings.weight", "token_embed/embedding"),
        _rule(f"{p}.position_embeddings.weight", "position_embed/embedding",
@@ -225,7 +225,7 @@ def _bert_layout(m, prefix: str, head: str, pos_offset: int) -> _Layout:
 
 
 def _gpt2_layout(m) -> _Layout:
-  h, d, e = m.num_heads, m.d_model // m.num_heads, m.d_model
+  h, d, e = m.num_heads, _head_dim(m), m.d_model
   g = [_rule("transformer.wte.weight", "token_embed/embedding"),
        _rule("transformer.wpe.weight", "position_embed/embedding"),
        *_norm("transformer.ln_f", "final_norm")]
@@ -252,7 +252,7 @@ def _gpt2_layout(m) -> _Layout:
 
 
 def _t5_layout(m, lm_head_scale: float = 1.0) -> _Layout:
-  h, d = m.num_heads, m.d_model // m.num_heads
+  h, d = m.num_heads, _head_dim(m)
   g = [_rule("shared.weight", "token_embed/embedding"),
        _rule("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", "encoder_relative_bias/embedding"),
        _rule("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", "decoder_relative_bias/embedding"),
@@ -407,15 +407,13 @@ def _tfx_config(arch: str, hf: dict) -> ml_collections.ConfigDict:
     else:
       raise ConvertError(f"T5ForConditionalGeneration: feed_forward_proj {proj!r} is not supported "
                          "(relu, gelu, gelu_new, gated-gelu, gated-silu are)")
-    if hf["d_kv"] * hf["num_heads"] != hf["d_model"]:
-      raise ConvertError(f"T5ForConditionalGeneration: d_kv * num_heads ({hf['d_kv']} * {hf['num_heads']}) must "
-                         f"equal d_model ({hf['d_model']}); tfx derives head_dim = d_model // num_heads")
     m.family = "encoder_decoder"
     m.num_layers = hf["num_layers"]
     ndec = hf.get("num_decoder_layers") or hf["num_layers"]
     m.num_decoder_layers = 0 if ndec == hf["num_layers"] else ndec
     m.d_model = hf["d_model"]
     m.num_heads = hf["num_heads"]
+    m.head_dim = 0 if hf["d_kv"] * hf["num_heads"] == hf["d_model"] else hf["d_kv"]  # t5-v1_1-small: 6 x 64 on 512
     m.d_ff = hf["d_ff"]
     m.position, m.norm, m.norm_type, m.embed_norm = "relative", "pre", "rmsnorm", False
     m.relative_buckets = int(hf.get("relative_attention_num_buckets", 32))
@@ -755,6 +753,11 @@ def _default_architecture(config) -> str:
                      "decoder (GPT-2), encoder_decoder (T5) and xlnet (XLNet)")
 
 
+def _head_dim(m) -> int:
+  """model.head_dim of a config (0 or absent = d_model // num_heads)."""
+  return int(m.get("head_dim", 0)) or m.d_model // m.num_heads
+
+
 def _require(cond: bool, arch: str, what: str) -> None:
   if not cond:
     raise ConvertError(f"cannot export as {arch}: {what}")
@@ -765,6 +768,9 @@ def _hf_config(arch: str, config, special_ids: dict | None) -> dict:
   d_ff = m.d_ff
   if arch == XLNET:
     return _xlnet_hf_config(config, ids)
+  if arch != "T5ForConditionalGeneration":
+    _require(_head_dim(m) * m.num_heads == m.d_model, arch, f"HF {arch} derives its head width from hidden size / "
+             f"heads, but model.head_dim={_head_dim(m)} x {m.num_heads} heads != d_model {m.d_model}")
   if arch in ("BertForMaskedLM", "RobertaForMaskedLM"):
     _require(m.family == "encoder", arch, f"model.family is {m.family!r}, not 'encoder'")
     _require(m.position == "learned" and m.norm == "post" and m.norm_type == "layernorm" and m.embed_norm
@@ -812,7 +818,7 @@ def _hf_config(arch: str, config, special_ids: dict | None) -> dict:
   _require(m.mlp in proj, arch, f"mlp {m.mlp!r} has no T5 equivalent")
   scale = bool(m.tie_embeddings and m.scale_tied_logits)
   return {"architectures": [arch], "model_type": "t5", "vocab_size": config.data.vocab_size, "d_model": m.d_model,
-          "d_kv": m.d_model // m.num_heads, "d_ff": d_ff, "num_layers": m.num_layers,
+          "d_kv": _head_dim(m), "d_ff": d_ff, "num_layers": m.num_layers,
           "num_decoder_layers": m.num_decoder_layers or m.num_layers, "num_heads": m.num_heads,
           "relative_attention_num_buckets": m.relative_buckets,
           "relative_attention_max_distance": m.relative_max_distance, "dropout_rate": m.dropout,

@@ -47,28 +47,34 @@ def mlp_params(cfg) -> int:
   return (3 if cfg.mlp in ("geglu", "swiglu") else 2) * cfg.d_model * cfg.d_ff
 
 
+def attention_dim(cfg) -> int:
+  """num_heads * head_dim: the width of the q / k / v projections (d_model unless head_dim is set)."""
+  return cfg.num_heads * getattr(cfg, "head_dim", cfg.d_model // cfg.num_heads)
+
+
 def matmul_params(cfg) -> int:
   """Parameters that take part in a matrix multiply per token (blocks + output projection),
   every position counted through every stack (see `row_forward_flops` for the exact counts)."""
-  e, l = cfg.d_model, cfg.num_layers
-  per_layer = 4 * e * e + mlp_params(cfg)
+  e, l, a = cfg.d_model, cfg.num_layers, attention_dim(cfg)
+  per_layer = 4 * e * a + mlp_params(cfg)
   total = l * per_layer + e * cfg.vocab_size
   if getattr(cfg, "family", "") == "encoder_decoder":
-    total += cfg.decoder_layers * (per_layer + 4 * e * e)
+    total += cfg.decoder_layers * (per_layer + 4 * e * a)
   return total
 
 
-def attention_flops(d_model: int, queries: int, keys: int) -> float:
+def attention_flops(cfg, queries: int, keys: int) -> float:
   """Forward FLOPs of one attention layer for one row: q and output projections on `queries`
   positions, k and v projections on `keys` positions, scores and the weighted sum."""
-  return 4 * d_model * d_model * (queries + keys) + 4 * queries * keys * d_model
+  e, a = cfg.d_model, attention_dim(cfg)
+  return 4 * e * a * (queries + keys) + 4 * queries * keys * a
 
 
 def row_forward_flops(cfg, length: int) -> float:
   """Forward FLOPs of one row of `length` positions through one stack with full attention and
   the output projection at every position (decoder, encoder; the encoder's MLM transform too)."""
   e = cfg.d_model
-  layer = attention_flops(e, length, length) + 2 * length * mlp_params(cfg)
+  layer = attention_flops(cfg, length, length) + 2 * length * mlp_params(cfg)
   head = 2 * length * e * cfg.vocab_size
   if getattr(cfg, "family", "") == "encoder":
     head += 2 * length * e * e  # MLM head transform
@@ -80,8 +86,8 @@ def seq2seq_forward_flops(cfg, inputs: int, targets: int) -> float:
   `targets` through the decoder (self-attention, cross-attention over the inputs, MLP) and the
   output projection."""
   e, mlp = cfg.d_model, mlp_params(cfg)
-  encoder = cfg.num_layers * (attention_flops(e, inputs, inputs) + 2 * inputs * mlp)
-  decoder = cfg.decoder_layers * (attention_flops(e, targets, targets) + attention_flops(e, targets, inputs)
+  encoder = cfg.num_layers * (attention_flops(cfg, inputs, inputs) + 2 * inputs * mlp)
+  decoder = cfg.decoder_layers * (attention_flops(cfg, targets, targets) + attention_flops(cfg, targets, inputs)
                                   + 2 * targets * mlp)
   return encoder + decoder + 2 * targets * e * cfg.vocab_size
 
@@ -95,13 +101,14 @@ def two_stream_forward_flops(cfg, length: int, predictions: int, memory: int = 0
   xlnet family: Transformer-XL positions add the W_r projection of the 2s - 1 distances and
   a positional score table per stream; its query stream attends at all `length` positions
   (scattered there and gathered back, as XLNet does). Encoder family: the query stream
-  attends from its slots only, and the MLM head transform runs on the slots.
+  attends from its slots only, and the MLM head transform runs on the slots (XLNet has
+  num_heads * head_dim = d_model; the encoder may not).
   """
-  e, mlp, n, t = cfg.d_model, mlp_params(cfg), predictions, length
+  e, a, mlp, n, t = cfg.d_model, attention_dim(cfg), mlp_params(cfg), predictions, length
   s = memory + t
-  keys = 4 * e * e * s  # k and v projections (memory included), read by both streams
-  content = 4 * e * e * t + 4 * t * s * e + 2 * t * mlp  # q, output, scores, weighted sum, MLP
-  query = 4 * e * e * n + 2 * n * mlp  # q and output projections, MLP
+  keys = 4 * e * a * s  # k and v projections (memory included), read by both streams
+  content = 4 * e * a * t + 4 * t * s * a + 2 * t * mlp  # q, output, scores, weighted sum, MLP
+  query = 4 * e * a * n + 2 * n * mlp  # q and output projections, MLP
   head = 2 * n * e * cfg.vocab_size
   if getattr(cfg, "family", "") == "xlnet":
     p = 2 * s - 1
@@ -109,7 +116,7 @@ def two_stream_forward_flops(cfg, length: int, predictions: int, memory: int = 0
     content += 2 * t * p * e  # positional score table
     query += 2 * t * p * e + 2 * 2 * n * t * e + 4 * t * s * e  # table, scatter and gather, attention at t
   else:
-    query += 4 * n * s * e
+    query += 4 * n * s * a
     head += 2 * n * e * e  # MLM head transform
   return cfg.num_layers * (keys + query) + (cfg.num_layers - 1) * content + head
 

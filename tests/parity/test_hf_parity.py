@@ -176,9 +176,11 @@ def test_gpt2(tmp_path):
 # ============================================================================ T5
 
 
-@pytest.mark.parametrize("version", ["v1_0", "v1_1"])
+@pytest.mark.parametrize("version", ["v1_0", "v1_1", "v1_1_wide_heads"])
 def test_t5(version, tmp_path):
-  kw = dict(vocab_size=VOCAB, d_model=D, d_kv=D // HEADS, d_ff=FF, num_layers=LAYERS, num_decoder_layers=LAYERS,
+  # wide heads: num_heads * d_kv != d_model (4 x 24 on 64), as t5-v1_1-small (6 x 64 on 512).
+  d_kv = 24 if version == "v1_1_wide_heads" else D // HEADS
+  kw = dict(vocab_size=VOCAB, d_model=D, d_kv=d_kv, d_ff=FF, num_layers=LAYERS, num_decoder_layers=LAYERS,
             num_heads=HEADS, relative_attention_num_buckets=8, relative_attention_max_distance=20,
             dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
   if version == "v1_0":
@@ -187,7 +189,7 @@ def test_t5(version, tmp_path):
     hf_cfg = transformers.T5Config(feed_forward_proj="gated-gelu", tie_word_embeddings=False, **kw)
   torch.manual_seed(0)
   hf = transformers.T5ForConditionalGeneration(hf_cfg).eval()
-  if version == "v1_1" and hf.lm_head.weight is hf.shared.weight:
+  if version != "v1_0" and hf.lm_head.weight is hf.shared.weight:
     # transformers 5 builds every T5 tied; a v1.1 checkpoint has its own output projection.
     hf.lm_head.weight = torch.nn.Parameter(torch.randn(VOCAB, D) * 0.05)
   _perturb(hf, 1)
@@ -198,6 +200,7 @@ def test_t5(version, tmp_path):
     assert m.mlp == "relu" and m.tie_embeddings and m.scale_tied_logits
   else:
     assert m.mlp == "geglu" and not m.tie_embeddings and "lm_head" in params
+  assert m.head_dim == (24 if version == "v1_1_wide_heads" else 0)
 
   enc_tokens, enc_mask = _batch(5, 0)
   rng = np.random.default_rng(6)

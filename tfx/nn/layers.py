@@ -29,6 +29,7 @@ class ModelConfig:
   num_heads: int
   d_ff: int
   num_decoder_layers: int = 0
+  head_dim: int = 0  # 0 = d_model // num_heads (resolved in __post_init__)
   position: str = "learned"
   rope_base: float = 10000.0
   relative_buckets: int = 32
@@ -56,9 +57,14 @@ class ModelConfig:
   init_std: float = 0.02
   norm_eps: float = 1e-6
 
+  def __post_init__(self):
+    if not self.head_dim:
+      object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
+
   @property
-  def head_dim(self) -> int:
-    return self.d_model // self.num_heads
+  def attention_dim(self) -> int:
+    """num_heads * head_dim: the width of the query / key / value projections."""
+    return self.num_heads * self.head_dim
 
   @property
   def decoder_layers(self) -> int:
