@@ -140,8 +140,10 @@ def get_config() -> ml_collections.ConfigDict:
   # ---------------------------------------------------------------- data
   c.data = ml_collections.ConfigDict()
   # 'stdlib' (the Python standard library's own source, offline everywhere),
-  # 'text:GLOB' (local .txt/.py/... files, or .jsonl with a `text_field`), or
-  # 'hf:NAME[:CONFIG]' (a hub dataset through `datasets`; needs the network).
+  # 'text:GLOB' (local .txt/.py/... files, or .jsonl / .jsonl.gz with a `text_field`),
+  # 'hf:NAME[:CONFIG]' (a hub dataset through `datasets`, streamed; needs the network), or
+  # 'prepared:DIR' (a token store made by `python -m tfx.prepare`; DIR local or gs://).
+  # A raw source is prepared into WORKDIR/data/ by the first run and read from there after.
   c.data.source = "stdlib"
   # Tokens per training row (the model's sequence length).
   c.data.seq_len = 128
@@ -157,6 +159,16 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.eval_fraction = 0.02
   # Number of global batches in one evaluation.
   c.data.eval_batches = 4
+  # Bytes of text the tokenizer is trained on; 0 = max(2 MB, 1 kB per vocabulary entry).
+  c.data.tokenizer_sample_bytes = 0
+  # Preparing a raw source: tokenizing processes (0 = all cores) and MB of text per shard.
+  c.data.prepare_workers = 0
+  c.data.shard_mb = 64.0
+  # Batches built ahead of the step in a background thread (0 = on the training thread).
+  c.data.prefetch = 2
+  # Resume even if the checkpoint was trained on another corpus, tokenizer or vocabulary
+  # (says so in metrics.jsonl); otherwise such a resume is refused.
+  c.data.allow_changed_corpus = False
 
   # ---------------------------------------------------------------- train
   c.train = ml_collections.ConfigDict()

@@ -588,7 +588,7 @@ def test_reversed_streams_read_the_forward_streams_backwards():
     np.testing.assert_array_equal(got["tokens"][:2], want["tokens"])
   # Stream s read backwards: the concatenation of the reversed rows (by stride) is the reverse of
   # the forward stream's text.
-  per_stream = len(pipeline._train_flat) // 2
+  per_stream = pipeline.stats["train_tokens"] // 2
   rows = pipeline.epoch_rows(0)
   k = pipeline.batches_per_epoch
   for s in range(2):

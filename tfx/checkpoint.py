@@ -8,6 +8,7 @@ import os
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from tfx.errors import UserError
 
@@ -16,8 +17,14 @@ class CheckpointError(UserError):
   """A checkpoint that cannot be read; the message says what to do."""
 
 
-def manager(workdir: str, *, keep: int, async_save: bool) -> ocp.CheckpointManager:
-  directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+def checkpoint_dir(workdir) -> epath.Path:
+  """WORKDIR/checkpoints (absolute for local paths; gs:// as it is)."""
+  directory = epath.Path(workdir) / "checkpoints"
+  return directory if "://" in str(directory) else epath.Path(os.path.abspath(directory))
+
+
+def manager(workdir, *, keep: int, async_save: bool) -> ocp.CheckpointManager:
+  directory = checkpoint_dir(workdir)
   options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
   return ocp.CheckpointManager(directory, options=options, item_names=("state", "data"))
 
@@ -33,7 +40,7 @@ def abstract_like(abstract_state, shardings):
 
 def restore(mngr: ocp.CheckpointManager, step: int, abstract_state):
   """Returns (state, data_state) of `step`, or raises CheckpointError naming the directory."""
-  path = os.path.join(str(mngr.directory), str(step))
+  path = f"{mngr.directory}/{step}"
   try:
     out = mngr.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))

@@ -1,8 +1,8 @@
-"""The `tfx` console script: `tfx train|generate|bench|convert|quickstart ARGS...` (same as python -m tfx.X)."""
+"""The `tfx` console script: `tfx train|prepare|generate|bench|bench_data|convert|quickstart ARGS...` (same as python -m tfx.X)."""
 
 import sys
 
-COMMANDS = ("train", "generate", "bench", "convert", "quickstart")
+COMMANDS = ("train", "prepare", "generate", "bench", "bench_data", "convert", "quickstart")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,44 +2,63 @@
 
 import json
 import math
-import os
 import sys
 import time
 
 import jax
+from etils import epath
 
 
 class MetricsWriter:
-  """Appends `{"step", "split", ...}` records to WORKDIR/metrics.jsonl (process 0 only)."""
+  """Appends `{"step", "split", ...}` records to WORKDIR/metrics.jsonl (process 0 only).
 
-  def __init__(self, workdir: str):
-    self.path = os.path.join(workdir, "metrics.jsonl")
+  WORKDIR may be local or gs://. An object store cannot append, so there the whole (small) file is
+  rewritten with each record; a local file is appended to, as before.
+  """
+
+  def __init__(self, workdir):
+    self.path = epath.Path(workdir) / "metrics.jsonl"
     self.enabled = jax.process_index() == 0
+    self.remote = "://" in str(self.path)
+
+  def _append(self, record: dict) -> None:
+    if not self.enabled:
+      return
+    line = json.dumps(record) + "\n"
+    if self.remote:
+      old = self.path.read_text() if self.path.exists() else ""
+      self.path.write_text(old + line)
+    else:
+      with self.path.open("a") as f:
+        f.write(line)
 
   def write(self, step: int, split: str, values: dict) -> dict:
     record = {"step": int(step), "split": split}
     for k, v in values.items():
       v = float(v) if v is not None else None
       record[k] = None if v is not None and not math.isfinite(v) else v
-    if self.enabled:
-      with open(self.path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    self._append(record)
+    return record
+
+  def event(self, step: int, name: str, **fields) -> dict:
+    """A `{"step", "split": "event", "event": name, ...}` record (not a metric: JSON fields as given)."""
+    record = {"step": int(step), "split": "event", "event": name, **fields}
+    self._append(record)
     return record
 
   def truncate_after(self, step: int) -> None:
     """Drops records after `step` (written by a run that died before its next checkpoint)."""
-    if not self.enabled or not os.path.exists(self.path):
+    if not self.enabled or not self.path.exists():
       return
-    with open(self.path) as f:
-      lines = [ln for ln in f if ln.strip()]
+    lines = [ln for ln in self.path.read_text().splitlines(keepends=True) if ln.strip()]
     kept = [ln for ln in lines if json.loads(ln)["step"] <= step]
-    with open(self.path, "w") as f:
-      f.writelines(kept)
+    if kept != lines:
+      self.path.write_text("".join(kept))
 
 
-def read_metrics(workdir: str) -> list[dict]:
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()]
+def read_metrics(workdir) -> list[dict]:
+  text = (epath.Path(workdir) / "metrics.jsonl").read_text()
+  return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def _duration(seconds: float) -> str:

@@ -4,7 +4,7 @@
 
 Reads as a story:
   1. Config: load, override, validate (before anything is compiled or read).
-  2. Data: corpus -> tokenizer -> packed rows, this host's slice only.
+  2. Data: the token store (prepared from a raw source once) -> packed rows, this host's slice only.
   3. Model, objective, optimizer: looked up in the registries by name.
   4. State: created already sharded (eval_shape -> shardings -> jit with out_shardings).
   5. Step: jax.grad of objective.loss, optional gradient accumulation, optax update;
@@ -15,7 +15,6 @@ Reads as a story:
 
 import dataclasses
 import json
-import os
 import signal
 import sys
 import time
@@ -23,6 +22,7 @@ from typing import Any
 
 import flax
 import flax.linen as nn
+from etils import epath
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -30,7 +30,8 @@ import numpy as np
 import optax
 
 from tfx import checkpoint, config as config_lib, flops, parallel
-from tfx.data import DataPipeline, build_tokenizer, load_documents
+from tfx.data import DataPipeline
+from tfx.data.training import corpus_changes, training_data
 from tfx.errors import DataError, UserError
 from tfx.metrics import MetricsWriter, Progress
 from tfx.models import build_model
@@ -63,6 +64,7 @@ class Experiment:
   mesh: jax.sharding.Mesh
   tx: optax.GradientTransformation
   schedule: optax.Schedule
+  corpus: dict = dataclasses.field(default_factory=dict)  # the store's identity, in every checkpoint
 
 
 def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -84,22 +86,25 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> Experiment:
   config_lib.validate(config, num_devices=jax.device_count(), process_count=jax.process_count())
   d = config.data
   try:
-    corpus = load_documents(d.source, text_field=d.text_field, max_documents=d.max_documents)
-    tokenizer = build_tokenizer(d.tokenizer, corpus, d.vocab_size, workdir, seed=config.train.seed)
+    data = training_data(config, workdir, process_index=jax.process_index())
   except (ValueError, FileNotFoundError) as e:
     raise DataError(str(e)) from e
+  tokenizer = data.tokenizer
   objective = OBJECTIVES.get(config.objective.name).from_config(config.objective, SpecialIds.from_tokenizer(tokenizer))
   if objective.needs_word_start():
     objective = objective.with_word_start(tuple(bool(b) for b in tokenizer.word_start_mask()))
   model = build_model(config.model, vocab_size=tokenizer.vocab_size, max_length=d.seq_len)
-  pipeline = DataPipeline.from_config(
-      d, tokenizer, corpus, row_length=objective.raw_length(d.seq_len), global_batch=config.train.batch_size,
-      seed=config.train.seed, process_index=jax.process_index(), process_count=jax.process_count(),
-      streams=objective.contiguous_rows,
-      stride=objective.row_stride(d.seq_len) if objective.contiguous_rows else 0,
-      reversed_streams=objective.contiguous_rows and objective.reversed_streams())
+  try:
+    pipeline = data.pipeline(
+        config, row_length=objective.raw_length(d.seq_len), process_index=jax.process_index(),
+        process_count=jax.process_count(), streams=objective.contiguous_rows,
+        stride=objective.row_stride(d.seq_len) if objective.contiguous_rows else 0,
+        reversed_streams=objective.contiguous_rows and objective.reversed_streams())
+  except ValueError as e:
+    raise DataError(str(e)) from e
   tx, schedule = make_optimizer(config)
-  return Experiment(config, workdir, tokenizer, objective, model, pipeline, parallel.make_mesh(config.mesh), tx, schedule)
+  return Experiment(config, workdir, tokenizer, objective, model, pipeline, parallel.make_mesh(config.mesh), tx, schedule,
+                    data.identity)
 
 
 # ============================================================================ state
@@ -258,15 +263,31 @@ class _Preemption:
     return bool(np.any(flags))
 
 
-def write_config(config, workdir: str) -> None:
+def write_config(config, workdir) -> None:
   if jax.process_index() == 0:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config_lib.to_json(config))
+    (epath.Path(workdir) / "config.json").write_text(config_lib.to_json(config))
+
+
+def _restore_data_position(exp: Experiment, data_state: dict, writer: MetricsWriter, step: int, progress) -> None:
+  """Moves the pipeline to the checkpoint's position, after checking it was the same corpus."""
+  changes = corpus_changes(data_state.get("corpus"), exp.corpus)
+  if changes and not exp.config.data.allow_changed_corpus:
+    raise DataError(
+        f"the checkpoint at step {step} was trained on another corpus than data.source={exp.config.data.source!r}: "
+        f"{'; '.join(changes)}. Restore the old data settings, use a new --workdir, or pass "
+        f"--config.data.allow_changed_corpus=true to continue on the new corpus")
+  if changes:
+    progress.note(f"continuing on a changed corpus (data.allow_changed_corpus): {'; '.join(changes)}")
+    writer.event(step, "corpus_changed", changes=changes, corpus=exp.corpus)
+    epoch = int(data_state.get("epoch", 0))
+    exp.pipeline.restore({"epoch": epoch, "row": 0})  # the new corpus from the start of the same epoch
+    return
+  exp.pipeline.restore({k: data_state[k] for k in ("epoch", "row") if k in data_state})
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains (or resumes) `config` in `workdir`; returns a summary of the run."""
-  os.makedirs(workdir, exist_ok=True)
+  epath.Path(workdir).mkdir(parents=True, exist_ok=True)
   t = config.train
   exp = build(config, workdir)
   write_config(config, workdir)
@@ -283,7 +304,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   latest = mngr.latest_step()
   if latest is not None:
     state, data_state = checkpoint.restore(mngr, latest, checkpoint.abstract_like(abstract, shardings))
-    exp.pipeline.restore(data_state)
+    _restore_data_position(exp, data_state, writer, latest, progress)
     writer.truncate_after(latest)
     progress.note(f"resumed from {mngr.directory}/{latest}")
   else:
@@ -335,7 +356,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       last_time = time.time()  # evaluation time is not training throughput
     stopping = (t.stop_after and step - start_step >= t.stop_after) or preempt.should_stop()
     if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps or stopping:
-      checkpoint.save(mngr, step, state, exp.pipeline.state())
+      checkpoint.save(mngr, step, state, dict(exp.pipeline.state(), corpus=exp.corpus))
     if stopping:
       progress.note(f"stopping at step {step} (checkpoint saved); run the same command to resume")
       break
@@ -353,15 +374,14 @@ def load_trained(workdir: str, step: int | None = None):
   from tfx.data import Tokenizer
 
   load_builtins()
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
+  path = epath.Path(workdir) / "config.json"
+  if not path.exists():
     raise UserError(f"{workdir} is not a tfx run: it has no config.json (train one with python -m tfx.train)")
-  with open(path) as f:
-    config = config_lib.from_json(f.read())
-  tok_path = config.data.tokenizer or os.path.join(workdir, "tokenizer.model")
-  if not os.path.exists(tok_path):
+  config = config_lib.from_json(path.read_text())
+  tok_path = epath.Path(config.data.tokenizer or epath.Path(workdir) / "tokenizer.model")
+  if not tok_path.exists():
     raise UserError(f"tokenizer {tok_path} not found; the run's tokenizer is needed to encode prompts")
-  tokenizer = Tokenizer.load(tok_path)
+  tokenizer = Tokenizer(tok_path.read_bytes(), path=str(tok_path))
   model = build_model(config.model, vocab_size=tokenizer.vocab_size, max_length=config.data.seq_len)
   tx, _ = make_optimizer(config)
   with config.unlocked():

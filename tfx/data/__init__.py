@@ -1,13 +1,13 @@
-"""Host-side data: text sources, the SentencePiece tokenizer, packing into batches.
+"""Host-side data: text sources, the SentencePiece tokenizer, the token store, packed batches.
 
-    corpus = load_documents("stdlib")
-    tokenizer = build_tokenizer("", corpus, vocab_size=8000, workdir=workdir)
-    pipeline = DataPipeline.from_config(config.data, tokenizer, corpus, row_length=...,
-                                        global_batch=..., seed=..., process_index=...,
-                                        process_count=...)
+    manifest = tfx.data.prepare.prepare(config.data, "DIR")  # source -> tokenizer -> token store
+    manifest, train, heldout = store.open_store("DIR")  # memory-mapped (or gs:// ranged reads)
+    pipeline = DataPipeline.from_splits(train, heldout, eos_id=..., row_length=..., global_batch=...,
+                                        seed=..., process_index=..., process_count=..., prefetch=2)
     batch = pipeline.next_batch()   # {"tokens", "segment_ids", "positions"}: int32 [local, L]
 """
 
+from tfx.data import store
 from tfx.data.pipeline import DataPipeline, tokenize_corpus
 from tfx.data.sources import Corpus, load_documents
 from tfx.data.tokenizer import Tokenizer, build_tokenizer
@@ -18,5 +18,6 @@ __all__ = [
     "Tokenizer",
     "build_tokenizer",
     "load_documents",
+    "store",
     "tokenize_corpus",
 ]

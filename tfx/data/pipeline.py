@@ -24,14 +24,18 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from typing import Any, Sequence
 
 import numpy as np
 
 from tfx.data.sources import Corpus
+from tfx.data.packing import _flatten, heldout_mask, host_slice, pack_stream, pack_streams
+from tfx.data.store import MemorySplit
 from tfx.data.tokenizer import Tokenizer
 
 Batch = dict[str, np.ndarray]
+__all__ = ["DataPipeline", "heldout_mask", "host_slice", "pack_stream", "pack_streams", "tokenize_corpus"]
 BATCH_KEYS = ("tokens", "segment_ids", "positions")
 _ENCODE_CHUNK = 256
 
@@ -81,14 +85,6 @@ def _corpus_key(tokenizer: Tokenizer, corpus: Corpus) -> str:
   return digest.hexdigest()[:24]
 
 
-def _flatten(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-  lengths = np.array([len(a) for a in arrays], dtype=np.int64)
-  offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-  flat = (np.concatenate([np.asarray(a, dtype=np.int32) for a in arrays])
-          if arrays else np.zeros(0, np.int32))
-  return flat, offsets
-
-
 def _unflatten(flat: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
   return [flat[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
 
@@ -99,132 +95,26 @@ def _atomic_save(path: str, array: np.ndarray) -> None:
   os.replace(tmp, path)
 
 
-# ------------------------------------------------------------------ pure helpers
-
-
-def heldout_mask(num_documents: int, eval_fraction: float) -> np.ndarray:
-  """Chooses the held-out documents by a stable hash of their index.
-
-  Document ``i`` is held out when ``hash(i) / 2**64 < eval_fraction``; if that
-  selects none, the document with the smallest hash is held out. The choice does
-  not depend on any seed, and a document keeps its split when documents are
-  appended to the corpus.
-
-  Args:
-      num_documents: number of documents.
-      eval_fraction: target fraction held out, in (0, 1).
-
-  Returns:
-      ``bool [num_documents]``, True = eval.
-  """
-  hashes = _splitmix64(np.arange(num_documents, dtype=np.uint64))
-  mask = hashes < np.uint64(min(eval_fraction, 1.0) * 2.0**64 - 1)
-  if num_documents and not mask.any():
-    mask[int(np.argmin(hashes))] = True
-  return mask
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-  """The SplitMix64 finaliser: a fixed, well-mixed uint64 -> uint64 hash."""
-  with np.errstate(over="ignore"):
-    z = x + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-def pack_stream(stream: np.ndarray, doc_starts: np.ndarray, row_length: int,
-                *, pad_tail: bool) -> Batch:
-  """Cuts a token stream into rows with segment ids and positions.
-
-  Args:
-      stream: ``int32 [n]`` concatenated documents (each already ending in EOS).
-      doc_starts: ``bool [n]``, True where a document begins.
-      row_length: tokens per row.
-      pad_tail: if True the incomplete last row is padded with zeros (segment 0,
-          position 0); if False it is dropped.
-
-  Returns:
-      ``tokens``, ``segment_ids``, ``positions``: ``int32 [rows, row_length]``.
-  """
-  n = len(stream)
-  rows = -(-n // row_length) if pad_tail else n // row_length
-  used = min(n, rows * row_length)
-  size = rows * row_length
-  tokens = np.zeros(size, np.int32)
-  tokens[:used] = stream[:used]
-  index = np.arange(size)
-  starts = np.zeros(size, bool)
-  starts[:used] = doc_starts[:used]
-  starts[:used] |= index[:used] % row_length == 0  # A row always opens a segment.
-  real = index < used
-  segment_ids = np.cumsum(starts.reshape(rows, row_length), axis=1).reshape(-1)
-  segment_ids = np.where(real, segment_ids, 0).astype(np.int32)
-  last_start = np.maximum.accumulate(np.where(starts, index, 0))
-  positions = np.where(real, index - last_start, 0).astype(np.int32)
-  shape = (rows, row_length)
-  return {"tokens": tokens.reshape(shape), "segment_ids": segment_ids.reshape(shape),
-          "positions": positions.reshape(shape)}
-
-
-def pack_streams(stream: np.ndarray, doc_starts: np.ndarray, row_length: int, num_streams: int,
-                 stride: int, *, reversed_copies: bool = False) -> Batch:
-  """Cuts a token stream into `num_streams` equal streams and each into rows `stride` apart.
-
-  Row ``s * k + i`` (stream s, row i) holds ``stream_s[i * stride : i * stride + row_length]``;
-  each row opens a segment at its first token and at every document start inside it.
-
-  With ``reversed_copies`` (XLNet's bi_data) there are ``2 * num_streams`` streams: stream
-  ``num_streams + s`` is stream s read backwards (from its last token to its first), so its
-  rows also follow each other ``stride`` apart and a row's memory is again the text "before"
-  it in reading order. A reversed document starts at its (reversed) EOS.
-
-  Returns:
-      ``tokens``, ``segment_ids``, ``positions``: ``int32 [streams * k, row_length]``.
-  """
-  per_stream = len(stream) // num_streams
-  k = (per_stream - row_length) // stride + 1
-  streams = stream[:per_stream * num_streams].reshape(num_streams, per_stream)  # [s, n]
-  opens = doc_starts[:per_stream * num_streams].reshape(num_streams, per_stream)
-  if reversed_copies:
-    # Reading backwards, a document opens where the forward one closed: at the token before a
-    # forward start (and at the stream's last token).
-    closes = np.concatenate([opens[:, 1:], np.ones((num_streams, 1), bool)], axis=1)
-    streams = np.concatenate([streams, streams[:, ::-1]])
-    opens = np.concatenate([opens, closes[:, ::-1]])
-  starts = np.arange(k) * stride  # [k]
-  index = starts[:, None] + np.arange(row_length)[None, :]  # [k, L]
-  tokens = streams[:, index].reshape(-1, row_length).astype(np.int32)  # [streams * k, L]
-  row_opens = opens[:, index].reshape(-1, row_length).copy()
-  row_opens[:, 0] = True
-  segment_ids = np.cumsum(row_opens, axis=1).astype(np.int32)
-  column = np.broadcast_to(np.arange(row_length), row_opens.shape)
-  last_open = np.maximum.accumulate(np.where(row_opens, column, 0), axis=1)
-  return {"tokens": tokens, "segment_ids": segment_ids, "positions": (column - last_open).astype(np.int32)}
-
-
-def host_slice(batch: Batch, process_index: int, process_count: int) -> Batch:
-  """The contiguous rows of a global batch that belong to one host.
-
-  Args:
-      batch: arrays ``[global_batch, length]``.
-      process_index: this host, in ``[0, process_count)``.
-      process_count: number of hosts; must divide ``global_batch``.
-
-  Returns:
-      Arrays ``[global_batch // process_count, length]`` (copies).
-  """
-  global_batch = len(batch["tokens"])
-  local = global_batch // process_count
-  lo = process_index * local
-  return {k: np.array(v[lo:lo + local], dtype=np.int32) for k, v in batch.items()}
-
-
 # ---------------------------------------------------------------------- pipeline
 
 
+class _Epoch:
+  """What packing an epoch needs, without the epoch itself: the document order and ends."""
+
+  def __init__(self, order: np.ndarray, lengths: np.ndarray):
+    self.order = order  # int64 [documents]: train documents in this epoch's order
+    self.cum_end = np.cumsum(lengths[order] + 1)  # int64 [documents]: stream end of each (with EOS)
+
+
 class DataPipeline:
-  """Deterministic, resumable, host-sliced batches of packed documents.
+  """Deterministic, resumable, host-sliced batches of packed documents, packed on the fly.
+
+  The epoch is never materialized: for each row the documents it covers are found by binary
+  search in the epoch's cumulative document lengths and read from the split (memory, or a token
+  store memory-mapped or read by range). Batch ``k`` is a pure function of ``k``
+  (:meth:`batch_at`), and is identical to cutting the concatenated epoch into rows
+  (:meth:`epoch_rows`, the reference the tests compare against). With ``prefetch > 0`` a Grain
+  iterator builds the next batches in a background thread while the step runs.
 
   Attributes:
       stats: counts of documents, tokens, rows (see :meth:`__init__`).
@@ -232,33 +122,43 @@ class DataPipeline:
       local_batch: rows per host batch, ``global_batch // process_count``.
   """
 
-  def __init__(
-      self,
-      documents_tokens: Sequence[np.ndarray],
-      *,
-      eos_id: int,
-      row_length: int,
-      global_batch: int,
-      seed: int,
-      eval_fraction: float = 0.02,
-      eval_batches: int = 4,
-      process_index: int = 0,
-      process_count: int = 1,
-      shuffle_rows: bool = True,
-      streams: bool = False,
-      stride: int = 0,
-      reversed_streams: bool = False,
-  ):
-    """Splits, and checks that the corpus can fill a batch.
+  def __init__(self, documents_tokens: Sequence[np.ndarray], *, eval_fraction: float = 0.02, **kwargs):
+    """Splits in-memory documents and checks that the corpus can fill a batch.
 
     Args:
         documents_tokens: one ``int [num_tokens_i]`` array per document, in corpus
             order (no EOS; it is appended here).
+        eval_fraction: fraction of documents held out, in (0, 1) (:func:`heldout_mask`).
+        **kwargs: see :meth:`from_splits`.
+    """
+    if not 0.0 < eval_fraction < 1.0:
+      raise ValueError(f"data.eval_fraction must be in (0, 1), got {eval_fraction}")
+    num_documents = len(documents_tokens)
+    if num_documents < 2:
+      raise ValueError(
+          f"the corpus has {num_documents} document(s); at least 2 are needed (one held out "
+          f"for eval, one for training); use a larger data.source")
+    heldout = heldout_mask(num_documents, eval_fraction)
+    if heldout.all():
+      raise ValueError(
+          f"data.eval_fraction={eval_fraction} holds out all {num_documents} documents; "
+          f"lower it or use a larger corpus")
+    self.train_document_indices = np.flatnonzero(~heldout)
+    self.eval_document_indices = np.flatnonzero(heldout)
+    self._setup(MemorySplit([documents_tokens[i] for i in self.train_document_indices]),
+                MemorySplit([documents_tokens[i] for i in self.eval_document_indices]), **kwargs)
+
+  @classmethod
+  def from_splits(cls, train, heldout, **kwargs) -> "DataPipeline":
+    """A pipeline over two splits (a token store's :class:`~tfx.data.store.SplitReader` s).
+
+    Args:
+        train, heldout: objects with ``lengths`` (int64 [docs]), ``starts``, ``num_tokens`` and
+            ``read(lo, hi)``.
         eos_id: the id appended to every document.
         row_length: tokens per row (the objective's raw length).
         global_batch: rows per global batch (``train.batch_size``).
         seed: shuffling seed (``train.seed``); does not affect the eval split.
-        eval_fraction: fraction of documents held out, in (0, 1).
         eval_batches: number of eval batches wanted.
         process_index: this host.
         process_count: number of hosts; must divide ``global_batch``.
@@ -276,18 +176,26 @@ class DataPipeline:
         reversed_streams: with ``streams`` (XLNet's bi_data): rows ``[0, B/2)`` of
             every global batch are ``B/2`` forward streams and rows ``[B/2, B)`` are
             the same streams read backwards. ``global_batch`` must be even.
+        prefetch: batches built ahead in a background thread (0 = on the caller's thread).
 
     Raises:
-        ValueError: invalid arguments, fewer than 2 documents, or an epoch too
-            small to fill one global batch.
+        ValueError: invalid arguments, an empty split, or an epoch too small to fill one
+            global batch.
     """
-    _check_args(row_length, global_batch, seed, eval_fraction, eval_batches,
-                process_index, process_count)
-    num_documents = len(documents_tokens)
-    if num_documents < 2:
-      raise ValueError(
-          f"the corpus has {num_documents} document(s); at least 2 are needed (one held out "
-          f"for eval, one for training); use a larger data.source")
+    self = cls.__new__(cls)
+    self.train_document_indices = self.eval_document_indices = None
+    self._setup(train, heldout, **kwargs)
+    return self
+
+  def _setup(self, train, heldout, *, eos_id: int, row_length: int, global_batch: int, seed: int,
+             eval_batches: int = 4, process_index: int = 0, process_count: int = 1,
+             shuffle_rows: bool = True, streams: bool = False, stride: int = 0,
+             reversed_streams: bool = False, prefetch: int = 0) -> None:
+    _check_args(row_length, global_batch, seed, eval_batches, process_index, process_count)
+    if not len(train.lengths) or not len(heldout.lengths):
+      empty = "training" if not len(train.lengths) else "held-out (eval)"
+      raise ValueError(f"the {empty} split has no documents; use a larger data.source or change "
+                       f"data.eval_fraction")
     self.eos_id = int(eos_id)
     self.row_length = int(row_length)
     self.global_batch = int(global_batch)
@@ -299,30 +207,20 @@ class DataPipeline:
     self.shuffle_rows = bool(shuffle_rows)
     self.streams = bool(streams)
     self.stride = int(stride) or self.row_length
+    self.prefetch = max(int(prefetch), 0)
     if not 0 < self.stride <= self.row_length:
       raise ValueError(f"stride={stride} must be in (0, row_length={self.row_length}]")
     self.reversed_streams = bool(reversed_streams)
     if self.reversed_streams and (not self.streams or self.global_batch % 2):
       raise ValueError(f"reversed streams (objective.bi_data) need contiguous streams and an even global batch, "
                        f"got train.batch_size={self.global_batch}; use an even batch size")
+    self._train, self._heldout = train, heldout
 
-    heldout = heldout_mask(num_documents, eval_fraction)
-    if heldout.all():
-      raise ValueError(
-          f"data.eval_fraction={eval_fraction} holds out all {num_documents} documents; "
-          f"lower it or use a larger corpus")
-    eos = np.int32(self.eos_id)
-    docs = [np.append(np.asarray(d, dtype=np.int32), eos) for d in documents_tokens]
-    self.train_document_indices = np.flatnonzero(~heldout)
-    self.eval_document_indices = np.flatnonzero(heldout)
-    train_docs = [docs[i] for i in self.train_document_indices]
-    self._train_flat, self._train_offsets = _flatten(train_docs)
-    eval_flat, eval_offsets = _flatten([docs[i] for i in self.eval_document_indices])
-
-    train_tokens = len(self._train_flat)
+    train_tokens = train.num_tokens + len(train.lengths)  # with one EOS per document
     self.rows_per_epoch = train_tokens // self.row_length
+    self._per_stream = train_tokens // self._forward_streams
     if self.streams:  # global_batch streams of train_tokens // global_batch tokens, rows every stride
-      per_stream = train_tokens // self._forward_streams
+      per_stream = self._per_stream
       rows = (per_stream - self.row_length) // self.stride + 1 if per_stream >= self.row_length else 0
       self.rows_per_epoch = rows * self.global_batch
     self.batches_per_epoch = self.rows_per_epoch // self.global_batch
@@ -333,86 +231,48 @@ class DataPipeline:
           f"({self.global_batch * self.row_length} tokens); the corpus is too small for "
           f"train.batch_size x data.seq_len: lower either, or use a larger data.source")
 
-    self._eval = self._build_eval(eval_flat, eval_offsets)
+    self._eval = self._build_eval()
     self.stats: dict[str, Any] = {
-        "documents": num_documents,
-        "train_documents": len(self.train_document_indices),
-        "eval_documents": len(self.eval_document_indices),
+        "documents": len(train.lengths) + len(heldout.lengths),
+        "train_documents": len(train.lengths),
+        "eval_documents": len(heldout.lengths),
         "train_tokens": train_tokens,
-        "eval_tokens": len(eval_flat),
+        "eval_tokens": heldout.num_tokens + len(heldout.lengths),
         "rows_per_epoch": self.rows_per_epoch,
         "batches_per_epoch": self.batches_per_epoch,
         "dropped_tokens_per_epoch": train_tokens - self.batches_per_epoch
         * self.global_batch * self.row_length,
         "eval_batches": len(self._eval),
     }
-    self._epoch = 0
-    self._row = 0
-    self._cached_epoch: int | None = None
-    self._cached_rows: Batch | None = None
-    self._cached_order: np.ndarray | None = None
+    self._next = 0  # global index of the next batch this host returns
+    self._iterator = None
+    self._epochs: dict[int, tuple[_Epoch, np.ndarray]] = {}
+    self._lock = threading.Lock()
 
   @classmethod
-  def from_config(
-      cls,
-      data_cfg: Any,
-      tokenizer: Tokenizer,
-      corpus: Corpus,
-      *,
-      row_length: int,
-      global_batch: int,
-      seed: int,
-      process_index: int = 0,
-      process_count: int = 1,
-      cache_dir: str | None = None,
-      streams: bool = False,
-      stride: int = 0,
-      reversed_streams: bool = False,
-  ) -> "DataPipeline":
-    """Tokenizes a corpus and builds the pipeline from ``config.data``.
+  def from_config(cls, data_cfg: Any, tokenizer: Tokenizer, corpus: Corpus, *,
+                  cache_dir: str | None = None, **kwargs) -> "DataPipeline":
+    """Tokenizes an in-memory corpus and builds the pipeline from ``config.data``.
+
+    (Training reads a prepared token store instead, see :mod:`tfx.data.prepare`.)
 
     Args:
-        data_cfg: any object with ``eval_fraction`` and ``eval_batches``
-            attributes (an ``ml_collections.ConfigDict``); missing ones take the
-            defaults 0.02 and 4.
+        data_cfg: any object with ``eval_fraction`` and ``eval_batches`` attributes (an
+            ``ml_collections.ConfigDict``); missing ones take the defaults 0.02 and 4.
         tokenizer: gives the EOS id and encodes the corpus.
         corpus: the documents.
-        row_length, global_batch, seed, process_index, process_count, streams, stride,
-            reversed_streams: see :meth:`__init__`.
         cache_dir: optional directory for cached token arrays.
+        **kwargs: see :meth:`from_splits`.
     """
     eos_id = tokenizer.eos_id
     if eos_id is None:
       raise ValueError(f"tokenizer {tokenizer.path!r} has no '</s>' piece; the data "
                        f"pipeline needs an EOS id to separate documents")
-    return cls(
-        tokenize_corpus(tokenizer, corpus, cache_dir=cache_dir),
-        eos_id=eos_id,
-        row_length=row_length,
-        global_batch=global_batch,
-        seed=seed,
-        eval_fraction=float(getattr(data_cfg, "eval_fraction", 0.02)),
-        eval_batches=int(getattr(data_cfg, "eval_batches", 4)),
-        process_index=process_index,
-        process_count=process_count,
-        streams=streams,
-        stride=stride,
-        reversed_streams=reversed_streams,
-    )
+    return cls(tokenize_corpus(tokenizer, corpus, cache_dir=cache_dir), eos_id=eos_id,
+               eval_fraction=float(getattr(data_cfg, "eval_fraction", 0.02)),
+               eval_batches=int(getattr(data_cfg, "eval_batches", 4)), **kwargs)
 
   # ------------------------------------------------------------------- train
-
-  def epoch_rows(self, epoch: int) -> Batch:
-    """All rows of one train epoch, ``int32 [rows_per_epoch, row_length]`` each.
-
-    The most recent epoch is cached; asking for another one repacks.
-    """
-    if self._cached_epoch != epoch:
-      self._cached_rows = None  # Free the old epoch before packing the next.
-      self._cached_rows = self._pack_epoch(epoch)
-      self._cached_order = self.row_order(epoch)
-      self._cached_epoch = epoch
-    return self._cached_rows
 
   @property
   def _forward_streams(self) -> int:
@@ -422,7 +282,7 @@ class DataPipeline:
   def epoch_order(self, epoch: int) -> np.ndarray:
     """Train documents (indices into the train split) in epoch ``epoch``'s order."""
     rng = np.random.default_rng([self.seed, epoch])
-    return rng.permutation(len(self._train_offsets) - 1)
+    return rng.permutation(len(self._train.lengths))
 
   def row_order(self, epoch: int) -> np.ndarray:
     """The order in which the packed rows of epoch ``epoch`` are served."""
@@ -434,39 +294,86 @@ class DataPipeline:
       return np.arange(self.rows_per_epoch)
     return np.random.default_rng([self.seed, epoch, 1]).permutation(self.rows_per_epoch)
 
-  def _pack_epoch(self, epoch: int) -> Batch:
-    stream, doc_starts = self.epoch_stream(epoch)
-    if self.streams:
-      return pack_streams(stream, doc_starts, self.row_length, self._forward_streams, self.stride,
-                          reversed_copies=self.reversed_streams)
-    return pack_stream(stream, doc_starts, self.row_length, pad_tail=False)
+  def _epoch(self, epoch: int) -> tuple[_Epoch, np.ndarray | None]:
+    """(document order and ends, row order) of an epoch; the last two epochs are cached."""
+    with self._lock:
+      if epoch not in self._epochs:
+        if len(self._epochs) >= 2:
+          self._epochs.pop(min(self._epochs))
+        rows = None if self.streams else self.row_order(epoch)
+        self._epochs[epoch] = (_Epoch(self.epoch_order(epoch), self._train.lengths), rows)
+      return self._epochs[epoch]
 
-  def epoch_stream(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens int32 [n], doc_starts bool [n]): the train documents of epoch `epoch`, in order."""
-    order = self.epoch_order(epoch)
-    starts = self._train_offsets[:-1][order]
-    lengths = np.diff(self._train_offsets)[order]
-    new_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    gather = np.arange(int(lengths.sum())) + np.repeat(starts - new_starts, lengths)
-    stream = self._train_flat[gather]
-    doc_starts = np.zeros(len(stream), bool)
-    doc_starts[new_starts] = True
-    return stream, doc_starts
+  def _gather(self, ep: _Epoch, starts: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Spans ``[a, a + n)`` of the epoch stream, for each ``a`` in ``starts``.
 
-  def next_batch(self) -> Batch:
-    """The next train batch for this host.
+    Returns:
+        tokens ``int32 [rows, n]``, and ``opens`` ``bool [rows, n + 1]``: True where a document
+        starts (column n: at the token right after the span).
+    """
+    lengths, doc_starts, cum_end = self._train.lengths, self._train.starts, ep.cum_end
+    tokens = np.empty((len(starts), n), np.int32)
+    opens = np.zeros((len(starts), n + 1), bool)
+    for r, a in enumerate(starts.tolist()):
+      b = a + n
+      d = int(np.searchsorted(cum_end, a, side="right"))  # the document holding token a
+      pos = a
+      while pos < b:
+        doc, end = int(ep.order[d]), int(cum_end[d])
+        length = int(lengths[doc])
+        begin = end - length - 1
+        if begin >= a:
+          opens[r, begin - a] = True
+        hi = min(b, end)
+        real_hi = min(hi - begin, length)  # the EOS sits at offset `length`
+        if real_hi > pos - begin:
+          base = int(doc_starts[doc])
+          tokens[r, pos - a:pos - a + real_hi - (pos - begin)] = self._train.read(base + pos - begin, base + real_hi)
+        if hi == end:
+          tokens[r, end - 1 - a] = self.eos_id
+        pos, d = hi, d + 1
+      opens[r, n] = d < len(cum_end) and int(cum_end[d - 1]) == b
+    return tokens, opens
+
+  def batch_at(self, k: int) -> Batch:
+    """This host's rows of global batch ``k`` (counted from the start of training).
 
     Returns:
         ``tokens``, ``segment_ids``, ``positions``: ``int32 [local_batch, row_length]``.
     """
-    if self._row + self.global_batch > self.batches_per_epoch * self.global_batch:
-      self._epoch += 1
-      self._row = 0
-    rows = self.epoch_rows(self._epoch)
-    lo = self._row + self.process_index * self.local_batch
-    take = self._cached_order[lo:lo + self.local_batch]
-    batch = {k: np.array(rows[k][take]) for k in BATCH_KEYS}
-    self._row += self.global_batch
+    epoch, b = divmod(int(k), self.batches_per_epoch)
+    ep, row_order = self._epoch(epoch)
+    rows = np.arange(self.process_index * self.local_batch, (self.process_index + 1) * self.local_batch)
+    n = self.row_length
+    if not self.streams:
+      starts = row_order[b * self.global_batch + rows] * n
+      tokens, opens = self._gather(ep, starts, n)
+      return _segments(tokens, opens[:, :n])
+    forward = rows < self._forward_streams
+    stream = np.where(forward, rows, rows - self._forward_streams)
+    offset = np.where(forward, b * self.stride, self._per_stream - b * self.stride - n)
+    tokens, opens = self._gather(ep, stream * self._per_stream + offset, n)
+    # Reading backwards, a document opens where the forward one closed: at the token before a
+    # forward start, and at the stream's last token.
+    closes = opens[:, 1:].copy()
+    closes[offset + n == self._per_stream, -1] = True
+    tokens = np.where(forward[:, None], tokens, tokens[:, ::-1])
+    opens = np.where(forward[:, None], opens[:, :n], closes[:, ::-1])
+    return _segments(tokens, opens)
+
+  def next_batch(self) -> Batch:
+    """The next train batch for this host (from the prefetch thread when ``prefetch > 0``)."""
+    if not self.prefetch:
+      batch = self.batch_at(self._next)
+    else:
+      if self._iterator is None:
+        import grain  # Lazy: only the prefetching loader needs it.
+
+        dataset = grain.MapDataset.range(self._next, 2**62).map(self.batch_at)
+        self._iterator = iter(dataset.to_iter_dataset(
+            grain.ReadOptions(num_threads=1, prefetch_buffer_size=self.prefetch)))
+      batch = next(self._iterator)
+    self._next += 1
     return batch
 
   def __iter__(self):
@@ -475,7 +382,10 @@ class DataPipeline:
 
   def state(self) -> dict[str, int]:
     """The position of the next batch, JSON-serialisable: ``{"epoch", "row"}``."""
-    return {"epoch": int(self._epoch), "row": int(self._row)}
+    epoch, b = divmod(self._next, self.batches_per_epoch)
+    if epoch and not b:  # after the last batch of an epoch, as the packed pipeline said it
+      epoch, b = epoch - 1, self.batches_per_epoch
+    return {"epoch": int(epoch), "row": int(b * self.global_batch)}
 
   def restore(self, state: dict[str, int]) -> None:
     """Moves to a position saved by :meth:`state`.
@@ -488,21 +398,56 @@ class DataPipeline:
     except (KeyError, TypeError, ValueError) as e:
       raise ValueError(f"data pipeline state must be {{'epoch': int, 'row': int}}, got "
                        f"{state!r}") from e
-    if epoch < 0 or not 0 <= row <= self.rows_per_epoch:
+    if epoch < 0 or not 0 <= row <= self.rows_per_epoch or row % self.global_batch:
       raise ValueError(
           f"data pipeline state {state!r} does not fit this corpus ({self.rows_per_epoch} "
           f"rows per epoch); was the checkpoint written with a different data.source, "
           f"tokenizer or data.seq_len?")
-    self._epoch, self._row = epoch, row
+    self._next = epoch * self.batches_per_epoch + row // self.global_batch
+    self._iterator = None
+
+  # ------------------------------------------------------- reference packing
+
+  def epoch_stream(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens int32 [n], doc_starts bool [n]): the train documents of epoch `epoch`, in order.
+
+    The whole epoch in memory: a reference for tests, never used for training.
+    """
+    order = self.epoch_order(epoch)
+    docs = [np.append(self._train.read(int(self._train.starts[d]), int(self._train.starts[d] + self._train.lengths[d])),
+                      np.int32(self.eos_id)) for d in order]
+    stream = np.concatenate(docs).astype(np.int32)
+    doc_starts = np.zeros(len(stream), bool)
+    doc_starts[np.concatenate([[0], np.cumsum([len(d) for d in docs])[:-1]])] = True
+    return stream, doc_starts
+
+  def epoch_rows(self, epoch: int) -> Batch:
+    """All rows of one train epoch, ``int32 [rows_per_epoch, row_length]`` each (reference)."""
+    stream, doc_starts = self.epoch_stream(epoch)
+    if self.streams:
+      return pack_streams(stream, doc_starts, self.row_length, self._forward_streams, self.stride,
+                          reversed_copies=self.reversed_streams)
+    return pack_stream(stream, doc_starts, self.row_length, pad_tail=False)
 
   # -------------------------------------------------------------------- eval
 
-  def _build_eval(self, flat: np.ndarray, offsets: np.ndarray) -> list[Batch]:
+  def _build_eval(self) -> list[Batch]:
+    wanted = self.num_eval_batches * self.global_batch
+    split, eos = self._heldout, np.int32(self.eos_id)
+    available = -(-(split.num_tokens + len(split.lengths)) // self.row_length)
+    docs, used = [], 0
+    for d in range(len(split.lengths)):  # only as many held-out documents as the batches need
+      if used >= wanted * self.row_length:
+        break
+      start = int(split.starts[d])
+      docs.append(np.append(split.read(start, start + int(split.lengths[d])), eos))
+      used += len(docs[-1])
+    flat, offsets = _flatten(docs)
     doc_starts = np.zeros(len(flat), bool)
     doc_starts[offsets[:-1]] = True
     rows = pack_stream(flat, doc_starts, self.row_length, pad_tail=True)
-    available = len(rows["tokens"])
-    wanted = self.num_eval_batches * self.global_batch
+    if len(rows["tokens"]) > wanted:
+      rows = {k: v[:wanted] for k, v in rows.items()}
     notes = []
     if available >= wanted:
       count = self.num_eval_batches
@@ -549,16 +494,25 @@ class DataPipeline:
             f"stats={self.stats})")
 
 
-def _check_args(row_length: int, global_batch: int, seed: int, eval_fraction: float,
-                eval_batches: int, process_index: int, process_count: int) -> None:
+def _segments(tokens: np.ndarray, opens: np.ndarray) -> Batch:
+  """Rows with segment ids and positions from where segments open. [rows, n] each."""
+  opens = opens.copy()
+  opens[:, 0] = True  # a row always opens a segment
+  column = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+  last_open = np.maximum.accumulate(np.where(opens, column, 0), axis=1)
+  return {"tokens": np.ascontiguousarray(tokens, dtype=np.int32),
+          "segment_ids": np.cumsum(opens, axis=1, dtype=np.int32),
+          "positions": (column - last_open).astype(np.int32)}
+
+
+def _check_args(row_length: int, global_batch: int, seed: int, eval_batches: int,
+                process_index: int, process_count: int) -> None:
   if row_length < 1:
     raise ValueError(f"row_length must be >= 1, got {row_length}")
   if global_batch < 1:
     raise ValueError(f"global batch size must be >= 1, got {global_batch}")
   if seed < 0:
     raise ValueError(f"train.seed must be >= 0 for the data pipeline, got {seed}")
-  if not 0.0 < eval_fraction < 1.0:
-    raise ValueError(f"data.eval_fraction must be in (0, 1), got {eval_fraction}")
   if eval_batches < 1:
     raise ValueError(f"data.eval_batches must be >= 1, got {eval_batches}")
   if process_count < 1 or not 0 <= process_index < process_count:

@@ -1,14 +1,14 @@
-"""Text sources: turn a ``data.source`` string into a list of documents.
+"""Text sources: turn a ``data.source`` string into a stream (or a list) of documents.
 
 Accepted forms (see :func:`load_documents`):
 
 - ``stdlib``: the ``.py`` files of the running interpreter's standard library
     (minus test packages), one document per file, sorted by relative path.
 - ``text:GLOB``: local files matched by ``glob.glob(GLOB, recursive=True)``.
-    ``.jsonl`` / ``.json`` files are read as JSON lines (one document per line,
-    taken from ``text_field``); any other file is one document.
+    ``.jsonl`` / ``.json`` (and ``.jsonl.gz`` / ``.json.gz``) files are read as JSON lines (one
+    document per line, taken from ``text_field``); any other file is one document.
 - ``hf:NAME`` or ``hf:NAME:CONFIG``: the ``train`` split of a Hugging Face hub
-    dataset (needs network access, or a warm local cache).
+    dataset (needs network access, or a warm local cache); ``tfx.prepare`` streams it.
 
 Everything except ``hf:`` is offline and deterministic: the same source gives
 the same documents in the same order on every run and every host.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import glob
+import gzip
 import json
 import os
 import sysconfig
@@ -30,7 +31,7 @@ ACCEPTED_FORMS = "'stdlib', 'text:GLOB' (e.g. 'text:data/**/*.txt') or 'hf:NAME[
 _STDLIB_EXCLUDED_DIRS = frozenset(
     {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 )
-_JSON_LINES_SUFFIXES = (".jsonl", ".json")
+_JSON_LINES_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 
 
 @dataclasses.dataclass
@@ -82,15 +83,7 @@ def load_documents(source: str, *, text_field: str = "text", max_documents: int 
   if max_documents < 0:
     raise ValueError(f"max_documents must be >= 0 (0 = all), got {max_documents}")
   skipped: collections.Counter[str] = collections.Counter()
-  if source == "stdlib":
-    records = _read_files(stdlib_files(), skipped)
-  elif source.startswith("text:"):
-    records = _read_glob(source[len("text:"):], text_field, skipped)
-  elif source.startswith("hf:"):
-    records = _read_hub(source[len("hf:"):], text_field, skipped)
-  else:
-    raise ValueError(f"unknown data source {source!r}; accepted forms: {ACCEPTED_FORMS}")
-
+  records = iter_documents(source, text_field=text_field, skipped=skipped)
   names: list[str] = []
   documents: list[str] = []
   for name, text in records:
@@ -105,6 +98,43 @@ def load_documents(source: str, *, text_field: str = "text", max_documents: int 
         f"{skipped['undecodable']} undecodable); point data.source at non-empty UTF-8 "
         f"text")
   return Corpus(documents=documents, names=names, skipped=skipped_dict, source=source)
+
+
+def iter_documents(source: str, *, text_field: str = "text", skipped: collections.Counter | None = None,
+                   streaming: bool = False) -> Iterator[tuple[str, str]]:
+  """Streams ``(name, text)`` for every non-empty document of a source, in a fixed order.
+
+  Nothing is held in memory beyond one file (one line for JSON-lines files, which may be
+  gzip-compressed: ``.jsonl.gz``). The source form is checked before the first document.
+
+  Args:
+      source: ``"stdlib"``, ``"text:GLOB"`` or ``"hf:NAME[:CONFIG]"``.
+      text_field: the field holding the text in JSON-lines files and hub datasets.
+      skipped: a counter that receives the number of empty / undecodable inputs.
+      streaming: ``hf:`` sources are streamed (``datasets``' ``streaming=True``: records arrive
+          as they download, nothing is stored first) instead of downloaded whole.
+  """
+  if not isinstance(source, str) or not source:
+    raise ValueError(
+        f"data source must be a non-empty string; accepted forms: {ACCEPTED_FORMS}")
+  skipped = collections.Counter() if skipped is None else skipped
+  if source == "stdlib":
+    return _read_files(stdlib_files(), skipped)
+  if source.startswith("text:"):
+    return _read_glob(source[len("text:"):], text_field, skipped)
+  if source.startswith("hf:"):
+    return _read_hub(source[len("hf:"):], text_field, skipped, streaming=streaming)
+  raise ValueError(f"unknown data source {source!r}; accepted forms: {ACCEPTED_FORMS}")
+
+
+def source_bytes(source: str) -> int | None:
+  """Total size in bytes of a local source's files (for progress and ETA); None for ``hf:``."""
+  if source == "stdlib":
+    return sum(os.path.getsize(p) for p in stdlib_files())
+  if source.startswith("text:"):
+    return sum(os.path.getsize(p) for p in glob.glob(source[len("text:"):], recursive=True)
+               if os.path.isfile(p))
+  return None
 
 
 def stdlib_root() -> str:
@@ -191,31 +221,36 @@ def _read_glob_files(paths: list[str], text_field: str,
 
 def _read_json_lines(path: str, text_field: str,
                      skipped: collections.Counter) -> Iterator[tuple[str, str]]:
-  """Yields ``(PATH:LINE, text)`` for each record of a JSON-lines file."""
-  text = _read_text(path, skipped)
-  if text is None:
-    return
-  for line_number, line in enumerate(text.splitlines(), start=1):
-    if not line.strip():
-      continue
-    where = f"{path}, line {line_number}"
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise ValueError(
-          f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
-    if not isinstance(record, dict) or text_field not in record:
-      raise ValueError(
-          f"{where}: record has no field {text_field!r}; set data.text_field to the field "
-          f"that holds the text")
-    value = record[text_field]
-    if not isinstance(value, str):
-      raise ValueError(
-          f"{where}: field {text_field!r} is {type(value).__name__}, expected a string")
-    if _is_blank(value):
-      skipped["empty"] += 1
-      continue
-    yield f"{path}:{line_number}", value
+  """Yields ``(PATH:LINE, text)`` for each record of a JSON-lines file, one line at a time."""
+  opener = gzip.open if path.lower().endswith(".gz") else open
+  with opener(path, "rb") as f:
+    for line_number, raw in enumerate(f, start=1):
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError:
+        skipped["undecodable"] += 1
+        continue
+      if not line.strip():
+        continue
+      where = f"{path}, line {line_number}"
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{where}: not valid JSON ({e.msg}); each line must be one JSON object (the "
+            f"shards prepared before this line are kept: fix the line and run again)") from None
+      if not isinstance(record, dict) or text_field not in record:
+        raise ValueError(
+            f"{where}: record has no field {text_field!r}; set data.text_field to the field "
+            f"that holds the text")
+      value = record[text_field]
+      if not isinstance(value, str):
+        raise ValueError(
+            f"{where}: field {text_field!r} is {type(value).__name__}, expected a string")
+      if _is_blank(value):
+        skipped["empty"] += 1
+        continue
+      yield f"{path}:{line_number}", value
 
 
 def _hub_offline_message(name: str, detail: str) -> str:
@@ -224,8 +259,8 @@ def _hub_offline_message(name: str, detail: str) -> str:
           f"data.source='text:GLOB' for local files instead")
 
 
-def _read_hub(spec: str, text_field: str,
-              skipped: collections.Counter) -> Iterator[tuple[str, str]]:
+def _read_hub(spec: str, text_field: str, skipped: collections.Counter, *,
+              streaming: bool = False) -> Iterator[tuple[str, str]]:
   name, _, config = spec.partition(":")
   if not name:
     raise ValueError(
@@ -235,13 +270,14 @@ def _read_hub(spec: str, text_field: str,
   except ImportError as e:
     raise ValueError(f"data source 'hf:{spec}' needs the 'datasets' package ({e})") from e
   try:
-    dataset = datasets.load_dataset(name, config or None, split="train")
+    dataset = datasets.load_dataset(name, config or None, split="train", streaming=streaming)
   except Exception as e:  # pylint: disable=broad-except
     if _looks_offline(e):
       raise ValueError(_hub_offline_message(name, f"{type(e).__name__}: {e}")) from e
     raise ValueError(
         f"could not load hub dataset 'hf:{spec}': {type(e).__name__}: {e}") from e
-  if text_field not in dataset.column_names:
+  columns = dataset.column_names
+  if columns is not None and text_field not in columns:
     raise ValueError(
         f"hub dataset 'hf:{spec}' has no column {text_field!r}; its columns are "
         f"{dataset.column_names}; set data.text_field")
@@ -250,7 +286,9 @@ def _read_hub(spec: str, text_field: str,
 
 def _hub_records(name: str, dataset, text_field: str,
                  skipped: collections.Counter) -> Iterator[tuple[str, str]]:
-  for index, text in enumerate(dataset[text_field]):
+  # A streamed dataset yields records as they arrive; a downloaded one gives its column at once.
+  texts = dataset[text_field] if hasattr(dataset, "__getitem__") else (r[text_field] for r in dataset)
+  for index, text in enumerate(texts):
     if not isinstance(text, str) or _is_blank(text):
       skipped["empty"] += 1
       continue

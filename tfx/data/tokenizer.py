@@ -74,14 +74,16 @@ class Tokenizer:
         FileNotFoundError: ``path`` does not exist.
         ValueError: the file is not a SentencePiece model.
     """
-    if not os.path.isfile(path):
+    from etils import epath  # local or gs://
+
+    file = epath.Path(path)
+    if not file.is_file():
       raise FileNotFoundError(
-          f"tokenizer model {path!r} does not exist; set data.tokenizer to an existing "
+          f"tokenizer model {str(path)!r} does not exist; set data.tokenizer to an existing "
           f"SentencePiece .model file, or to '' to train one on the corpus")
-    with open(path, "rb") as f:
-      proto = f.read()
+    proto = file.read_bytes()
     try:
-      return cls(proto, path=path)
+      return cls(proto, path=str(path))
     except Exception as e:  # sentencepiece raises RuntimeError / OSError.
       raise ValueError(f"{path!r} is not a valid SentencePiece model: {e}") from e
 
@@ -119,6 +121,12 @@ class Tokenizer:
             SentencePiece fails; the message says what to change.
     """
     documents = list(documents)
+    return cls.train_on_lines(_training_lines(documents, max_bytes), vocab_size, path, seed=seed)
+
+  @classmethod
+  def train_on_lines(cls, lines: Iterable[str], vocab_size: int, path: str | None, *,
+                     seed: int = 0) -> "Tokenizer":
+    """Trains on an iterator of lines (the sample), see :meth:`train`."""
     minimum = reserved_piece_count() + 1
     if vocab_size < minimum:
       raise ValueError(
@@ -130,7 +138,7 @@ class Tokenizer:
     spm.set_random_generator_seed(int(seed))
     try:
       spm.SentencePieceTrainer.train(
-          sentence_iterator=_training_lines(documents, max_bytes),
+          sentence_iterator=iter(lines),
           model_writer=buffer,
           **_trainer_options(vocab_size),
       )
@@ -352,9 +360,22 @@ def _training_lines(documents: list[str], max_bytes: int) -> Iterator[str]:
   if max_bytes <= 0:
     raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
   total = sum(len(d) for d in documents)  # Characters: a cheap proxy for bytes.
-  stride = max(1, -(-total // max_bytes))
+  return sample_lines(documents, total, max_bytes)
+
+
+def sample_lines(documents: Iterable[str], total_chars: int, max_bytes: int) -> Iterator[str]:
+  """The tokenizer's training sample from a stream of documents (of ``total_chars`` characters).
+
+  Every k-th document, ``k = ceil(total_chars / max_bytes)``, split into its non-empty lines,
+  until ``max_bytes`` of UTF-8 are taken. A stream gives the same lines as the whole list.
+  """
+  if max_bytes <= 0:
+    raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
+  stride = max(1, -(-total_chars // max_bytes))
   used = 0
-  for document in documents[::stride]:
+  for index, document in enumerate(documents):
+    if index % stride:
+      continue
     for line in document.split(NEWLINE):
       if not line.strip():
         continue

@@ -1,0 +1,293 @@
+"""The token store: tfx.prepare (shards, workers, resume, bad input) and the reader over it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import ml_collections
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT
+from tfx.data import DataPipeline, Tokenizer, load_documents, store, tokenize_corpus
+from tfx.data.prepare import prepare
+from tfx.data.training import corpus_changes
+
+VOCAB = 600
+
+
+def data_config(source: str, **overrides) -> ml_collections.ConfigDict:
+  cfg = dict(source=source, text_field="text", max_documents=0, eval_fraction=0.1, vocab_size=VOCAB,
+             tokenizer="", tokenizer_sample_bytes=200_000, shard_mb=0.02, prepare_workers=1, eval_batches=2,
+             prefetch=0)
+  cfg.update(overrides)
+  return ml_collections.ConfigDict(cfg)
+
+
+def write_corpus(directory, num_files: int = 60, seed: int = 0) -> str:
+  """Real text of varied length (standard-library docstrings and code), one document per file."""
+  rng = np.random.default_rng(seed)
+  docs = load_documents("stdlib", max_documents=num_files).documents
+  os.makedirs(directory, exist_ok=True)
+  for i, doc in enumerate(docs):
+    cut = int(rng.integers(200, 4000))
+    with open(os.path.join(directory, f"doc{i:03d}.txt"), "w") as f:
+      f.write(doc[:cut])
+  return f"text:{directory}/*.txt"
+
+
+def store_files(directory) -> dict[str, bytes]:
+  return {name: open(os.path.join(directory, name), "rb").read()
+          for name in sorted(os.listdir(directory)) if not name.startswith(".")}
+
+
+@pytest.fixture(scope="module")
+def corpus_source(tmp_path_factory) -> str:
+  return write_corpus(str(tmp_path_factory.mktemp("corpus")))
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, corpus_source):
+  """A store of ~60 documents in several shards, written by 2 worker processes."""
+  out = str(tmp_path_factory.mktemp("store") / "s")
+  manifest = prepare(data_config(corpus_source), out, workers=2, progress=False)
+  return out, manifest
+
+
+def test_manifest_records_counts_checksums_and_tokenizer(prepared, corpus_source):
+  out, manifest = prepared
+  assert manifest["format"] == store.FORMAT and manifest["version"] == store.VERSION
+  assert manifest["sources"] == [{"spec": corpus_source, "text_field": "text", "max_documents": 0}]
+  assert len(manifest["shards"]) >= 4, "the test needs several shards"
+  assert manifest["token_dtype"] == "<u2"
+  tokenizer = Tokenizer.load(os.path.join(out, "tokenizer.model"))
+  assert manifest["tokenizer"] == {"file": "tokenizer.model", "vocab_size": VOCAB,
+                                   "sha256": store.sha256_bytes(tokenizer.model_proto)}
+  corpus = load_documents(corpus_source)
+  assert manifest["documents"] == len(corpus) == sum(s["documents"] for s in manifest["shards"])
+  tokens = sum(len(t) for t in tokenize_corpus(tokenizer, corpus))
+  assert manifest["splits"]["train"]["tokens"] + manifest["splits"]["eval"]["tokens"] == tokens
+  for shard in manifest["shards"]:
+    for split in store.SPLITS:
+      for entry in shard[split]["files"].values():
+        data = open(os.path.join(out, entry["name"]), "rb").read()
+        assert len(data) == entry["bytes"] and store.sha256_bytes(data) == entry["sha256"]
+
+
+def test_store_gives_the_batches_of_the_in_memory_corpus(prepared, corpus_source):
+  """The store's batches equal those of the corpus tokenized in memory (today's pipeline, whose
+  tests compare it with packing the whole epoch), in every serving mode, and the tokenizer is the
+  one Tokenizer.train makes from the same documents."""
+  out, _ = prepared
+  corpus = load_documents(corpus_source)
+  tokenizer = Tokenizer.load(os.path.join(out, "tokenizer.model"))
+  trained = Tokenizer.train(corpus.documents, VOCAB, None, max_bytes=200_000)
+  assert trained.model_proto == tokenizer.model_proto
+  _, train, heldout = store.open_store(out)
+  docs = tokenize_corpus(tokenizer, corpus)
+  for mode in (dict(), dict(shuffle_rows=False), dict(streams=True, stride=24),
+               dict(streams=True, stride=16, reversed_streams=True)):
+    options = dict(eos_id=tokenizer.eos_id, row_length=32, global_batch=4, seed=3, eval_batches=2, **mode)
+    memory = DataPipeline(docs, eval_fraction=0.1, **options)
+    stored = DataPipeline.from_splits(train, heldout, **options)
+    assert stored.stats == memory.stats
+    steps = memory.batches_per_epoch + 3  # across an epoch boundary
+    for k in range(steps):
+      a, b = memory.next_batch(), stored.next_batch()
+      for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=f"{mode} batch {k} {key}")
+    for a, b in zip(memory.eval_batches(), stored.eval_batches()):
+      for key in a:
+        np.testing.assert_array_equal(a[key], b[key])
+
+
+def test_prefetch_and_host_slices_keep_the_batches(prepared):
+  _, train, heldout = store.open_store(prepared[0])
+  options = dict(eos_id=1, row_length=32, global_batch=8, seed=0)
+  plain = DataPipeline.from_splits(train, heldout, **options)
+  want = [plain.next_batch() for _ in range(plain.batches_per_epoch + 2)]
+  ahead = DataPipeline.from_splits(train, heldout, prefetch=3, **options)
+  got = [ahead.next_batch() for _ in range(5)]
+  ahead.restore(ahead.state())  # resume drops what was prefetched and continues exactly
+  got += [ahead.next_batch() for _ in range(len(want) - 5)]
+  hosts = [DataPipeline.from_splits(train, heldout, process_index=p, process_count=2, prefetch=2, **options)
+           for p in range(2)]
+  for k, batch in enumerate(want):
+    for key in batch:
+      np.testing.assert_array_equal(got[k][key], batch[key])
+      halves = [h.next_batch() for h in hosts] if key == "tokens" else halves
+      np.testing.assert_array_equal(np.concatenate([h[key] for h in halves]), batch[key])
+
+
+def test_interrupted_prepare_resumes_to_the_same_store(tmp_path, corpus_source, prepared):
+  """SIGKILL of `python -m tfx.prepare` in the middle, then the same command again: the store is
+  byte-identical to an uninterrupted one (and no half-written shard was ever visible)."""
+  out = tmp_path / "s"
+  config = os.path.join(ROOT, "configs", "tiny.py")
+  args = [sys.executable, "-m", "tfx.prepare", "--config", config, "--out", str(out), "--workers", "1", "--quiet",
+          f"--config.data.source={corpus_source}", f"--config.data.vocab_size={VOCAB}",
+          "--config.data.eval_fraction=0.1", "--config.data.tokenizer_sample_bytes=200000",
+          "--config.data.shard_mb=0.02", "--config.data.max_documents=0"]
+  proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  deadline = time.time() + 120
+  while time.time() < deadline and len(list(out.glob("shard-*.json"))) < 2 and proc.poll() is None:
+    time.sleep(0.01)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert not (out / "manifest.json").exists(), "the kill came too late to test anything"
+  with pytest.raises(store.StoreError, match="interrupted"):
+    store.open_store(str(out))
+  done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "prepared:" in done.stdout
+  assert store_files(out) == store_files(prepared[0])
+
+
+def test_disk_full_keeps_finished_shards(tmp_path, corpus_source, prepared, monkeypatch):
+  out = tmp_path / "s"
+  real = store.write_atomic
+  calls = {"n": 0}
+
+  def failing(path, data):
+    calls["n"] += 1
+    if calls["n"] == 12:  # in the middle of a later shard
+      raise OSError(28, "No space left on device")
+    return real(path, data)
+
+  monkeypatch.setattr(store, "write_atomic", failing)
+  with pytest.raises(store.StoreError, match="No space left") as info:
+    prepare(data_config(corpus_source), str(out), workers=1, progress=False)
+  assert "run the same command again" in str(info.value)
+  monkeypatch.setattr(store, "write_atomic", real)
+  finished = list(out.glob("shard-*.json"))
+  assert finished and not (out / "manifest.json").exists()
+  prepare(data_config(corpus_source), str(out), workers=1, progress=False)
+  assert store_files(out) == store_files(prepared[0])
+
+
+def test_tiny_corpus_still_holds_out_one_document(tmp_path):
+  source = write_corpus(str(tmp_path / "c"), num_files=5)
+  manifest = prepare(data_config(source, eval_fraction=0.01, tokenizer_sample_bytes=50_000, vocab_size=500),
+                     str(tmp_path / "s"), progress=False)
+  assert manifest["splits"]["eval"]["documents"] == 1  # heldout_mask's rule: the smallest hash
+  forced = [s["forced_eval"] for s in manifest["shards"] if s["forced_eval"] >= 0]
+  from tfx.data.pipeline import heldout_mask
+  assert forced == list(np.flatnonzero(heldout_mask(5, 0.01)))
+
+
+# ====================================================================== bad input
+
+
+@pytest.fixture
+def copy_of(prepared, tmp_path):
+  def make():
+    out = tmp_path / "copy"
+    out.mkdir()
+    for name, data in store_files(prepared[0]).items():
+      (out / name).write_bytes(data)
+    return out
+  return make
+
+
+def _shard_file(out, kind="tokens"):
+  manifest = json.loads((out / "manifest.json").read_text())
+  return out / manifest["shards"][1]["train"]["files"][kind]["name"]
+
+
+def test_missing_torn_and_damaged_shards_are_named(copy_of):
+  out = copy_of()
+  path = _shard_file(out)
+  data = path.read_bytes()
+  path.unlink()
+  with pytest.raises(store.StoreError, match=f"{path.name} is missing"):
+    store.open_store(str(out))
+  path.write_bytes(data[:-2])
+  with pytest.raises(store.StoreError, match="torn or truncated"):
+    store.open_store(str(out))
+  damaged = bytearray(data)
+  damaged[3] ^= 0x40
+  path.write_bytes(bytes(damaged))
+  _, train, heldout = store.open_store(str(out))  # sizes are right: found when the shard is read
+  pipeline = DataPipeline.from_splits(train, heldout, eos_id=1, row_length=32, global_batch=4, seed=0)
+  with pytest.raises(store.StoreError, match=f"{path.name} does not match its checksum"):
+    for _ in range(pipeline.batches_per_epoch):
+      pipeline.next_batch()
+  offsets = _shard_file(out, "offsets")
+  damaged = bytearray(offsets.read_bytes())
+  damaged[9] ^= 1
+  offsets.write_bytes(bytes(damaged))
+  with pytest.raises(store.StoreError, match="does not match its checksum"):
+    store.open_store(str(out))
+
+
+def test_newer_format_missing_store_and_wrong_tokenizer(copy_of, tmp_path, prepared, corpus_source):
+  out = copy_of()
+  manifest = json.loads((out / "manifest.json").read_text())
+  manifest["version"] = store.VERSION + 1
+  (out / "manifest.json").write_text(json.dumps(manifest))
+  with pytest.raises(store.StoreError, match="newer than this tfx reads"):
+    store.open_store(str(out))
+  with pytest.raises(store.StoreError, match="does not exist"):
+    store.open_store(str(tmp_path / "nowhere"))
+  other = Tokenizer.train(load_documents(corpus_source).documents, VOCAB + 50, str(tmp_path / "other.model"),
+                          max_bytes=100_000)
+  with pytest.raises(store.StoreError, match="another tokenizer"):
+    _prepare_over(prepared[0], corpus_source, other.path, tmp_path)
+  with pytest.raises(store.StoreError, match="another source"):
+    prepare(data_config(corpus_source, eval_fraction=0.2), prepared[0], progress=False)
+
+
+def _prepare_over(existing, source, tokenizer_path, tmp_path):
+  """Finishing a store with another tokenizer than the one it was started with is refused."""
+  out = tmp_path / "partial"
+  out.mkdir()
+  (out / "tokenizer.model").write_bytes((open(os.path.join(existing, "tokenizer.model"), "rb").read()))
+  prepare(data_config(source), str(out), tokenizer_path=tokenizer_path, progress=False)
+
+
+def test_bad_jsonl_line_is_refused_with_file_and_line(tmp_path):
+  path = tmp_path / "c.jsonl.gz"
+  import gzip
+  with gzip.open(path, "wt") as f:
+    f.write(json.dumps({"text": "fine " * 50}) + "\n" + "{broken\n")
+  with pytest.raises(ValueError, match=r"c\.jsonl\.gz, line 2: not valid JSON"):
+    prepare(data_config(f"text:{path}", tokenizer_sample_bytes=10_000, vocab_size=400), str(tmp_path / "s"),
+            progress=False)
+
+
+def test_corpus_changes_name_what_changed():
+  base = {"checksum": "a" * 64, "sources": [{"spec": "stdlib"}], "tokenizer_sha256": "b" * 64, "vocab_size": 1000,
+          "documents": 10, "train_tokens": 100}
+  assert corpus_changes(base, dict(base)) == []
+  assert corpus_changes(None, base) == []
+  assert "source" in corpus_changes(dict(base, sources=[{"spec": "text:x"}]), base)[0]
+  assert "tokenizer" in corpus_changes(dict(base, tokenizer_sha256="c" * 64), base)[0]
+  assert "vocabulary size 900 -> 1000" in corpus_changes(dict(base, vocab_size=900), base)[0]
+  assert "store content" in corpus_changes(dict(base, checksum="d" * 64), base)[0]
+
+
+def test_resume_on_another_corpus_is_refused_unless_allowed(tmp_path, shared_tokenizer):
+  """The checkpoint records the corpus; resuming on another one names what changed, and
+  data.allow_changed_corpus continues and says so in metrics.jsonl."""
+  from tests.test_train import quick
+  from tfx import train
+  from tfx.errors import DataError
+  from tfx.metrics import read_metrics
+
+  workdir = str(tmp_path / "run")
+  train.run(quick(shared_tokenizer, "--config.train.steps=4", "--config.train.stop_after=2"), workdir)
+  assert sorted(os.listdir(tmp_path / "run" / "data")) and (tmp_path / "run" / "tokenizer.model").exists()
+  changed = ("--config.train.steps=4", "--config.data.max_documents=50")
+  with pytest.raises(DataError, match="'max_documents': 60.*'max_documents': 50") as info:
+    train.run(quick(shared_tokenizer, *changed), workdir)
+  assert "allow_changed_corpus" in str(info.value)
+  result = train.run(quick(shared_tokenizer, *changed, "--config.data.allow_changed_corpus=true"), workdir)
+  assert result["step"] == 4
+  events = [r for r in read_metrics(workdir) if r["split"] == "event"]
+  assert [e["event"] for e in events] == ["corpus_changed"] and events[0]["step"] == 2
+  assert "max_documents" in events[0]["changes"][0]

@@ -1,0 +1,260 @@
+"""The token store: a prepared corpus as shards of flat token arrays, on local disk or gs://.
+
+A store is a directory (an ``etils.epath`` path, so ``gs://bucket/path`` works too):
+
+    DIR/manifest.json                   written last: its presence means the store is complete
+    DIR/tokenizer.model                 the SentencePiece model the tokens were made with
+    DIR/shard-00000.json                a shard's record, written after its data (the commit mark)
+    DIR/shard-00000.train.tokens        uint16 (vocab <= 65536) or uint32, little-endian, flat
+    DIR/shard-00000.train.offsets       int64 [documents + 1]: document d is tokens[o[d]:o[d+1]]
+    DIR/shard-00000.eval.tokens / .eval.offsets
+
+A shard holds consecutive documents of the source; each document goes to ``train`` or ``eval``
+by a hash of its index in the source (:func:`tfx.data.pipeline.heldout_mask`), so the split does
+not depend on the seed, the shard size or the number of workers. Documents are stored without
+EOS (the reader appends it). Every file is written to a temporary name and renamed, and the
+shard's ``.json`` is written after its data files, so a half-written shard is never visible.
+
+The manifest records the sources (a list: mixtures of corpora come later), the tokenizer's
+checksum and vocabulary size, the token dtype, the split rule, per-shard and per-split document
+and token counts, and a SHA-256 of every file. ``manifest["checksum"]`` identifies the store's
+content; checkpoints record it (corpus identity on resume).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import threading
+from typing import Any
+
+import numpy as np
+from etils import epath
+
+FORMAT = "tfx-token-store"
+VERSION = 1
+MANIFEST = "manifest.json"
+TOKENIZER = "tokenizer.model"
+SPLITS = ("train", "eval")
+OFFSET_DTYPE = np.dtype("<i8")
+
+
+class StoreError(ValueError):
+  """A store that cannot be used as it is; the message says what to do."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+  """uint16 when every id fits, else uint32 (little-endian)."""
+  return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+
+
+def shard_name(index: int) -> str:
+  return f"shard-{index:05d}"
+
+
+def is_remote(path: epath.Path | str) -> bool:
+  return "://" in str(path)
+
+
+def sha256_bytes(data: bytes) -> str:
+  return hashlib.sha256(data).hexdigest()
+
+
+def write_atomic(path: epath.Path, data: bytes) -> None:
+  """Writes ``data`` to a temporary name beside ``path`` and renames it into place.
+
+  On GCS a rename is a copy and a delete, but the final name still appears only once the whole
+  object is there, which is what makes a half-written file invisible.
+  """
+  tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}"
+  path.parent.mkdir(parents=True, exist_ok=True)
+  try:
+    tmp.write_bytes(data)
+    tmp.replace(path)
+  except BaseException:
+    try:
+      if tmp.exists():
+        tmp.unlink()
+    except OSError:
+      pass
+    raise
+
+
+def write_json_atomic(path: epath.Path, value: Any) -> None:
+  write_atomic(path, (json.dumps(value, indent=1, sort_keys=True) + "\n").encode())
+
+
+def store_checksum(tokenizer_sha256: str, dtype: str, shards: list[dict]) -> str:
+  """The identity of a store's content: its tokenizer, dtype and every file's checksum."""
+  digest = hashlib.sha256(f"{FORMAT}/{VERSION}/{tokenizer_sha256}/{dtype}".encode())
+  for shard in shards:
+    for split in SPLITS:
+      for kind in ("tokens", "offsets"):
+        digest.update(shard[split]["files"][kind]["sha256"].encode())
+  return digest.hexdigest()
+
+
+def read_manifest(directory: epath.Path | str) -> dict:
+  """Loads and checks ``DIR/manifest.json``.
+
+  Raises:
+      StoreError: the directory or manifest does not exist (an unfinished prepare says so), the
+          manifest is unreadable or of a newer format.
+  """
+  directory = epath.Path(directory)
+  path = directory / MANIFEST
+  if not path.exists():
+    if directory.exists() and any(directory.glob("shard-*.json")):
+      raise StoreError(
+          f"token store {directory} is incomplete (it has shards but no {MANIFEST}): its "
+          f"tfx.prepare was interrupted; run the same tfx.prepare command again to finish it")
+    raise StoreError(
+        f"token store {directory} does not exist or has no {MANIFEST}; create it with "
+        f"python -m tfx.prepare --config CONFIG --out {directory}")
+  try:
+    manifest = json.loads(path.read_text())
+  except (ValueError, OSError) as e:
+    raise StoreError(f"{path} is not a readable manifest ({e}); run tfx.prepare again") from e
+  if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    raise StoreError(f"{path} is not a tfx token store manifest (format {manifest.get('format')!r})"
+                     if isinstance(manifest, dict) else f"{path} is not a tfx token store manifest")
+  version = manifest.get("version")
+  if not isinstance(version, int) or version > VERSION:
+    raise StoreError(
+        f"token store {directory} has format version {version}, newer than this tfx reads "
+        f"({VERSION}); upgrade tfx, or prepare the store again with this version")
+  return manifest
+
+
+class SplitReader:
+  """One split (``train`` or ``eval``) of a store: document lengths and token reads.
+
+  Local shards are memory-mapped; remote ones (gs://) are read with ranged reads. Documents are
+  numbered in source order across shards. Shard sizes are checked when the store is opened; a
+  shard's SHA-256 is checked the first time it is read (``verify``), so a damaged shard is
+  reported by name instead of training on garbage.
+
+  Attributes:
+      lengths: ``int64 [documents]`` tokens per document (without EOS).
+      starts: ``int64 [documents]`` where each document starts in the split's token space.
+      num_tokens: tokens in the split (without EOS).
+  """
+
+  def __init__(self, directory: epath.Path, manifest: dict, split: str, *, verify: bool = True):
+    self.directory = directory
+    self.split = split
+    self.dtype = np.dtype(manifest["token_dtype"])
+    self.verify = verify
+    self._shards = [s for s in manifest["shards"] if s[split]["documents"]]
+    lengths, bases = [], [0]
+    for shard in self._shards:
+      offsets = self._read_offsets(shard)
+      lengths.append(np.diff(offsets))
+      bases.append(bases[-1] + int(offsets[-1]))
+    self.lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
+    self.num_tokens = int(bases[-1])
+    self._base_list = bases  # [shards + 1] first token of each shard
+    self._arrays: dict[int, Any] = {}
+    self._lock = threading.Lock()
+
+  def _file(self, shard: dict, kind: str) -> tuple[epath.Path, dict]:
+    entry = shard[self.split]["files"][kind]
+    return self.directory / entry["name"], entry
+
+  def _check_size(self, path: epath.Path, entry: dict) -> None:
+    if not path.exists():
+      raise StoreError(f"token store {self.directory}: shard file {path.name} is missing; "
+                       f"run tfx.prepare again with the same --out to rewrite it")
+    size = path.stat().length
+    if size != entry["bytes"]:
+      raise StoreError(
+          f"token store {self.directory}: shard file {path.name} has {size} bytes, the manifest "
+          f"says {entry['bytes']} (a torn or truncated copy); run tfx.prepare again with the same "
+          f"--out to rewrite it")
+
+  def _read_offsets(self, shard: dict) -> np.ndarray:
+    path, entry = self._file(shard, "offsets")
+    self._check_size(path, entry)
+    self._check_size(*self._file(shard, "tokens"))
+    data = path.read_bytes()
+    if self.verify and sha256_bytes(data) != entry["sha256"]:
+      raise self._checksum_error(path)
+    return np.frombuffer(data, OFFSET_DTYPE).astype(np.int64)
+
+  def _checksum_error(self, path: epath.Path) -> StoreError:
+    return StoreError(
+        f"token store {self.directory}: shard file {path.name} does not match its checksum in the "
+        f"manifest (the data is damaged); delete it and run tfx.prepare again with the same --out")
+
+  def _tokens(self, index: int):
+    """The token array of shard ``index``: a memmap (local) or a ranged reader (remote)."""
+    with self._lock:
+      if index in self._arrays:
+        return self._arrays[index]
+      path, entry = self._file(self._shards[index], "tokens")
+      if self.verify:
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+          for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+        if digest.hexdigest() != entry["sha256"]:
+          raise self._checksum_error(path)
+      if is_remote(path):
+        array = _RangedArray(path, self.dtype)
+      elif entry["bytes"]:
+        array = np.memmap(os.fspath(path), dtype=self.dtype, mode="r").view(np.ndarray)  # plain, fast slices
+      else:
+        array = np.zeros(0, self.dtype)
+      self._arrays[index] = array
+      return array
+
+  def read(self, lo: int, hi: int) -> np.ndarray:
+    """Tokens ``[lo, hi)`` of the split's token space (within one shard), in the store's dtype."""
+    shard = bisect.bisect_right(self._base_list, lo) - 1
+    base = self._base_list[shard]
+    return self._tokens(shard)[lo - base:hi - base]
+
+class _RangedArray:
+  """Slices of a remote flat array, each one ranged read (no local copy of the shard)."""
+
+  def __init__(self, path: epath.Path, dtype: np.dtype):
+    self._path = path
+    self._dtype = dtype
+    self._file = None
+    self._lock = threading.Lock()
+
+  def __getitem__(self, item: slice) -> np.ndarray:
+    start, stop = item.start, item.stop
+    size = self._dtype.itemsize
+    with self._lock:
+      if self._file is None:
+        self._file = self._path.open("rb")
+      self._file.seek(start * size)
+      data = self._file.read((stop - start) * size)
+    return np.frombuffer(data, self._dtype)
+
+
+class MemorySplit:
+  """A split held in memory (tests, and corpora given as token arrays): same interface."""
+
+  def __init__(self, documents: list[np.ndarray]):
+    self.lengths = np.array([len(d) for d in documents], dtype=np.int64)
+    self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
+    self.num_tokens = int(self.lengths.sum())
+    self._flat = (np.concatenate([np.asarray(d, np.int32) for d in documents])
+                  if documents else np.zeros(0, np.int32))
+
+  def read(self, lo: int, hi: int) -> np.ndarray:
+    return self._flat[lo:hi]
+
+
+def open_store(directory: epath.Path | str, *, verify: bool = True) -> tuple[dict, SplitReader, SplitReader]:
+  """(manifest, train split, eval split) of a complete store; see :func:`read_manifest`."""
+  directory = epath.Path(directory)
+  manifest = read_manifest(directory)
+  train = SplitReader(directory, manifest, "train", verify=verify)
+  heldout = SplitReader(directory, manifest, "eval", verify=verify)
+  return manifest, train, heldout

@@ -1,0 +1,107 @@
+"""The data of a training run: the token store it reads, its tokenizer, and the corpus identity.
+
+``data.source = "prepared:DIR"`` reads a store made by ``python -m tfx.prepare``; a raw source
+(``stdlib``, ``text:GLOB``, ``hf:NAME``) is prepared first into ``WORKDIR/data/<key>`` (process 0
+prepares, the other hosts wait and then read it), so a resume never tokenizes again. The run's
+tokenizer is the store's, copied to ``WORKDIR/tokenizer.model`` for ``tfx.generate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+from etils import epath
+
+from tfx.data import store
+from tfx.data.pipeline import DataPipeline
+from tfx.data.prepare import PREPARED, prepare, store_key
+from tfx.data.tokenizer import TOKENIZER_FILENAME, Tokenizer
+
+
+@dataclasses.dataclass
+class TrainingData:
+  tokenizer: Tokenizer
+  train: store.SplitReader
+  heldout: store.SplitReader
+  store_dir: epath.Path
+  identity: dict  # recorded in every checkpoint; see corpus_changes
+
+  def pipeline(self, config, *, row_length: int, process_index: int = 0, process_count: int = 1,
+               streams: bool = False, stride: int = 0, reversed_streams: bool = False) -> DataPipeline:
+    """This host's batches of the store (see :meth:`DataPipeline.from_splits`)."""
+    return DataPipeline.from_splits(
+        self.train, self.heldout, eos_id=self.tokenizer.eos_id, row_length=row_length,
+        global_batch=config.train.batch_size, seed=config.train.seed, eval_batches=config.data.eval_batches,
+        process_index=process_index, process_count=process_count, streams=streams, stride=stride,
+        reversed_streams=reversed_streams, prefetch=int(config.data.get("prefetch", 0)))
+
+
+def store_dir(config, workdir) -> epath.Path:
+  """Where the run's token store is: the ``prepared:`` directory, or ``WORKDIR/data/<key>``."""
+  source = config.data.source
+  if source.startswith(PREPARED):
+    path = source[len(PREPARED):]
+    if not path:
+      raise store.StoreError("data.source='prepared:' needs a directory, e.g. 'prepared:gs://bucket/c4'")
+    return epath.Path(path)
+  return epath.Path(workdir) / "data" / store_key(config.data, config.data.tokenizer)
+
+
+def _barrier(name: str) -> None:
+  import jax
+
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
+
+
+def training_data(config, workdir, *, process_index: int = 0) -> TrainingData:
+  """Prepares (if needed) and opens the run's store and its tokenizer."""
+  d = config.data
+  workdir = epath.Path(workdir)
+  directory = store_dir(config, workdir)
+  own_tokenizer = workdir / TOKENIZER_FILENAME
+  if not d.source.startswith(PREPARED):
+    if process_index == 0:
+      reuse = d.tokenizer or (str(own_tokenizer) if own_tokenizer.exists() else "")
+      prepare(d, directory, seed=config.train.seed, workers=int(d.get("prepare_workers", 0)),
+              tokenizer_path=reuse)
+    _barrier("tfx-prepare")
+  manifest, train, heldout = store.open_store(directory)
+  tokenizer = Tokenizer((directory / store.TOKENIZER).read_bytes(), path=str(directory / store.TOKENIZER))
+  recorded = manifest["tokenizer"]["sha256"]
+  if hashlib.sha256(tokenizer.model_proto).hexdigest() != recorded:
+    raise store.StoreError(f"{directory / store.TOKENIZER} does not match the tokenizer recorded in its manifest; "
+                           f"the store is damaged: prepare it again")
+  if d.tokenizer and store.sha256_bytes(epath.Path(d.tokenizer).read_bytes()) != recorded:
+    raise store.StoreError(
+        f"data.tokenizer={d.tokenizer} is not the tokenizer the store {directory} was prepared with; set "
+        f"data.tokenizer='' to use the store's, or prepare the store again with this tokenizer")
+  if process_index == 0 and not own_tokenizer.exists():
+    store.write_atomic(own_tokenizer, tokenizer.model_proto)
+  if tokenizer.eos_id is None:
+    raise store.StoreError(f"the store's tokenizer has no '</s>' piece; the data pipeline needs an EOS id")
+  identity = {"checksum": manifest["checksum"], "sources": manifest["sources"], "store": str(directory),
+              "tokenizer_sha256": recorded, "vocab_size": manifest["tokenizer"]["vocab_size"],
+              "documents": manifest["documents"], "train_tokens": manifest["splits"]["train"]["tokens"]}
+  return TrainingData(tokenizer, train, heldout, directory, identity)
+
+
+def corpus_changes(saved: dict | None, current: dict) -> list[str]:
+  """What differs between the corpus a checkpoint was trained on and the current one ([] = same)."""
+  if not saved:
+    return []  # a checkpoint from before corpus identity was recorded
+  changes = []
+  if saved.get("sources") != current["sources"]:
+    changes.append(f"source {saved.get('sources')} -> {current['sources']}")
+  if saved.get("tokenizer_sha256") != current["tokenizer_sha256"]:
+    changes.append(f"tokenizer sha256 {str(saved.get('tokenizer_sha256'))[:12]} -> {current['tokenizer_sha256'][:12]}")
+  if saved.get("vocab_size") != current["vocab_size"]:
+    changes.append(f"vocabulary size {saved.get('vocab_size')} -> {current['vocab_size']}")
+  if saved.get("checksum") != current["checksum"] and not changes:
+    changes.append(f"store content (checksum {str(saved.get('checksum'))[:12]} -> {current['checksum'][:12]}; "
+                   f"documents {saved.get('documents')} -> {current['documents']}, train tokens "
+                   f"{saved.get('train_tokens')} -> {current['train_tokens']})")
+  return changes
