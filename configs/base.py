@@ -166,6 +166,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.shard_mb = 64.0
   # Batches built ahead of the step in a background thread (0 = on the training thread).
   c.data.prefetch = 2
+  # Checksums of the store's token files: 'background' (hashed while training runs; a damaged
+  # file stops the run at its next step), 'open' (before the first batch) or 'off' (sizes only).
+  c.data.verify_store = "background"
   # Resume even if the checkpoint was trained on another corpus, tokenizer or vocabulary
   # (says so in metrics.jsonl); otherwise such a resume is refused.
   c.data.allow_changed_corpus = False

@@ -124,9 +124,13 @@ def test_prefetch_and_host_slices_keep_the_batches(prepared):
       np.testing.assert_array_equal(np.concatenate([h[key] for h in halves]), batch[key])
 
 
-def test_interrupted_prepare_resumes_to_the_same_store(tmp_path, corpus_source, prepared):
+def test_interrupted_prepare_resumes_to_the_same_store(tmp_path):
   """SIGKILL of `python -m tfx.prepare` in the middle, then the same command again: the store is
-  byte-identical to an uninterrupted one (and no half-written shard was ever visible)."""
+  byte-identical to an uninterrupted one written by 2 workers (and no half-written shard was
+  ever visible)."""
+  corpus_source = write_corpus(str(tmp_path / "corpus"), num_files=400)
+  reference = tmp_path / "reference"
+  prepare(data_config(corpus_source), str(reference), workers=2, progress=False)
   out = tmp_path / "s"
   config = os.path.join(ROOT, "configs", "tiny.py")
   args = [sys.executable, "-m", "tfx.prepare", "--config", config, "--out", str(out), "--workers", "1", "--quiet",
@@ -145,7 +149,7 @@ def test_interrupted_prepare_resumes_to_the_same_store(tmp_path, corpus_source, 
   done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
   assert "prepared:" in done.stdout
-  assert store_files(out) == store_files(prepared[0])
+  assert store_files(out) == store_files(reference)
 
 
 def test_disk_full_keeps_finished_shards(tmp_path, corpus_source, prepared, monkeypatch):
@@ -212,11 +216,15 @@ def test_missing_torn_and_damaged_shards_are_named(copy_of):
   damaged = bytearray(data)
   damaged[3] ^= 0x40
   path.write_bytes(bytes(damaged))
-  _, train, heldout = store.open_store(str(out))  # sizes are right: found when the shard is read
+  with pytest.raises(store.StoreError, match=f"{path.name} does not match its checksum"):
+    store.open_store(str(out), verify="open")
+  _, train, heldout = store.open_store(str(out))  # sizes are right: found by the background check
   pipeline = DataPipeline.from_splits(train, heldout, eos_id=1, row_length=32, global_batch=4, seed=0)
   with pytest.raises(store.StoreError, match=f"{path.name} does not match its checksum"):
-    for _ in range(pipeline.batches_per_epoch):
-      pipeline.next_batch()
+    train.verifier.wait()
+  with pytest.raises(store.StoreError, match=f"{path.name} does not match its checksum"):
+    pipeline.next_batch()  # and the run stops at its next batch
+  store.open_store(str(out), verify="off")  # sizes only
   offsets = _shard_file(out, "offsets")
   damaged = bytearray(offsets.read_bytes())
   damaged[9] ^= 1

@@ -341,6 +341,7 @@ class DataPipeline:
     Returns:
         ``tokens``, ``segment_ids``, ``positions``: ``int32 [local_batch, row_length]``.
     """
+    self._train.check()  # a damaged store stops the run here, naming the file
     epoch, b = divmod(int(k), self.batches_per_epoch)
     ep, row_order = self._epoch(epoch)
     rows = np.arange(self.process_index * self.local_batch, (self.process_index + 1) * self.local_batch)

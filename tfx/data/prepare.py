@@ -244,7 +244,7 @@ def prepare(data_cfg, out: str | epath.Path, *, seed: int = 0, workers: int = 0,
       manifest = store.read_manifest(directory)
       _check_same_spec(manifest, spec, directory)
       return manifest
-    sources.iter_documents(spec.source, text_field=spec.text_field)  # a bad source fails here, fast
+    sources.iter_documents(spec.source, text_field=spec.text_field, streaming=True)  # a bad source fails fast
     for stale in directory.glob(".*.tmp-*"):  # left by a prepare that was killed mid-write
       stale.unlink()
     tokenizer = resolve_tokenizer(data_cfg, directory, spec, seed=seed, tokenizer_path=tokenizer_path, log=log)

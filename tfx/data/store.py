@@ -128,13 +128,73 @@ def read_manifest(directory: epath.Path | str) -> dict:
   return manifest
 
 
+def _checksum_error(directory, name: str) -> StoreError:
+  return StoreError(
+      f"token store {directory}: shard file {name} does not match its checksum in the manifest (the data "
+      f"is damaged); delete it and run tfx.prepare again with the same --out")
+
+
+class Verifier:
+  """Checks the SHA-256 of every token file of a store, in a background thread or at once.
+
+  ``mode``: ``"background"`` (hash while training runs; :meth:`check` raises once a damaged file
+  is found, so the run stops at its next batch with the file's name), ``"open"`` (hash before
+  the first batch), or ``"off"`` (sizes only, checked at open). Offsets files are always hashed:
+  they are small and every read depends on them.
+  """
+
+  MODES = ("background", "open", "off")
+
+  def __init__(self, directory: epath.Path, manifest: dict, mode: str = "background"):
+    if mode not in self.MODES:
+      raise StoreError(f"data.verify_store={mode!r}: choose one of {', '.join(self.MODES)}")
+    self.directory = directory
+    self.files = [shard[split]["files"]["tokens"] for shard in manifest["shards"] for split in SPLITS]
+    self.error: StoreError | None = None
+    self.done = threading.Event()
+    self._thread = None
+    if mode == "open":
+      self._run()
+      self.check()
+    elif mode == "background":
+      self._thread = threading.Thread(target=self._run, name="tfx-store-verify", daemon=True)
+      self._thread.start()
+    else:
+      self.done.set()
+
+  def _run(self) -> None:
+    try:
+      for entry in self.files:
+        digest = hashlib.sha256()
+        with (self.directory / entry["name"]).open("rb") as f:
+          for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+        if digest.hexdigest() != entry["sha256"]:
+          self.error = _checksum_error(self.directory, entry["name"])
+          return
+    except OSError as e:
+      self.error = StoreError(f"token store {self.directory}: reading it failed ({e})")
+    finally:
+      self.done.set()
+
+  def check(self) -> None:
+    """Raises the error the verification found, if any (never waits)."""
+    if self.error is not None:
+      raise self.error
+
+  def wait(self) -> None:
+    self.done.wait()
+    self.check()
+
+
 class SplitReader:
   """One split (``train`` or ``eval``) of a store: document lengths and token reads.
 
-  Local shards are memory-mapped; remote ones (gs://) are read with ranged reads. Documents are
-  numbered in source order across shards. Shard sizes are checked when the store is opened; a
-  shard's SHA-256 is checked the first time it is read (``verify``), so a damaged shard is
-  reported by name instead of training on garbage.
+  Reads are ``pread`` calls on local files and ranged reads on remote ones (gs://): no shard is
+  copied or mapped, so the process's memory does not grow with the corpus (a memory map's
+  touched pages count in its RSS: 0.23 -> 0.65 GB from a 10 MB to a 1 GB corpus in
+  tfx.bench_data, against ~0.8 us more per read). Documents are numbered in source order across
+  shards. File sizes and the offsets' checksums are checked when the split is opened.
 
   Attributes:
       lengths: ``int64 [documents]`` tokens per document (without EOS).
@@ -142,11 +202,11 @@ class SplitReader:
       num_tokens: tokens in the split (without EOS).
   """
 
-  def __init__(self, directory: epath.Path, manifest: dict, split: str, *, verify: bool = True):
+  def __init__(self, directory: epath.Path, manifest: dict, split: str, verifier: Verifier | None = None):
     self.directory = directory
     self.split = split
     self.dtype = np.dtype(manifest["token_dtype"])
-    self.verify = verify
+    self.verifier = verifier
     self._shards = [s for s in manifest["shards"] if s[split]["documents"]]
     lengths, bases = [], [0]
     for shard in self._shards:
@@ -157,7 +217,7 @@ class SplitReader:
     self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
     self.num_tokens = int(bases[-1])
     self._base_list = bases  # [shards + 1] first token of each shard
-    self._arrays: dict[int, Any] = {}
+    self._arrays: dict[int, _FileArray] = {}
     self._lock = threading.Lock()
 
   def _file(self, shard: dict, kind: str) -> tuple[epath.Path, dict]:
@@ -180,65 +240,58 @@ class SplitReader:
     self._check_size(path, entry)
     self._check_size(*self._file(shard, "tokens"))
     data = path.read_bytes()
-    if self.verify and sha256_bytes(data) != entry["sha256"]:
-      raise self._checksum_error(path)
+    if sha256_bytes(data) != entry["sha256"]:
+      raise _checksum_error(self.directory, path.name)
     return np.frombuffer(data, OFFSET_DTYPE).astype(np.int64)
 
-  def _checksum_error(self, path: epath.Path) -> StoreError:
-    return StoreError(
-        f"token store {self.directory}: shard file {path.name} does not match its checksum in the "
-        f"manifest (the data is damaged); delete it and run tfx.prepare again with the same --out")
-
-  def _tokens(self, index: int):
-    """The token array of shard ``index``: a memmap (local) or a ranged reader (remote)."""
-    with self._lock:
-      if index in self._arrays:
-        return self._arrays[index]
-      path, entry = self._file(self._shards[index], "tokens")
-      if self.verify:
-        digest = hashlib.sha256()
-        with path.open("rb") as f:
-          for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-        if digest.hexdigest() != entry["sha256"]:
-          raise self._checksum_error(path)
-      if is_remote(path):
-        array = _RangedArray(path, self.dtype)
-      elif entry["bytes"]:
-        array = np.memmap(os.fspath(path), dtype=self.dtype, mode="r").view(np.ndarray)  # plain, fast slices
-      else:
-        array = np.zeros(0, self.dtype)
-      self._arrays[index] = array
-      return array
+  def check(self) -> None:
+    """Raises if the store's verification found a damaged file."""
+    if self.verifier is not None:
+      self.verifier.check()
 
   def read(self, lo: int, hi: int) -> np.ndarray:
     """Tokens ``[lo, hi)`` of the split's token space (within one shard), in the store's dtype."""
     shard = bisect.bisect_right(self._base_list, lo) - 1
     base = self._base_list[shard]
-    return self._tokens(shard)[lo - base:hi - base]
+    array = self._arrays.get(shard)
+    if array is None:
+      with self._lock:
+        array = self._arrays.setdefault(shard, _FileArray(self._file(self._shards[shard], "tokens")[0], self.dtype))
+    return array.read(lo - base, hi - base)
 
-class _RangedArray:
-  """Slices of a remote flat array, each one ranged read (no local copy of the shard)."""
+
+class _FileArray:
+  """Slices of a flat array in a file: ``os.pread`` locally, a ranged read on gs://."""
 
   def __init__(self, path: epath.Path, dtype: np.dtype):
     self._path = path
     self._dtype = dtype
+    self._fd = None if is_remote(path) else os.open(os.fspath(path), os.O_RDONLY)
     self._file = None
     self._lock = threading.Lock()
 
-  def __getitem__(self, item: slice) -> np.ndarray:
-    start, stop = item.start, item.stop
+  def read(self, start: int, stop: int) -> np.ndarray:
     size = self._dtype.itemsize
-    with self._lock:
-      if self._file is None:
-        self._file = self._path.open("rb")
-      self._file.seek(start * size)
-      data = self._file.read((stop - start) * size)
+    if self._fd is not None:
+      data = os.pread(self._fd, (stop - start) * size, start * size)
+    else:
+      with self._lock:
+        if self._file is None:
+          self._file = self._path.open("rb")
+        self._file.seek(start * size)
+        data = self._file.read((stop - start) * size)
     return np.frombuffer(data, self._dtype)
+
+  def __del__(self):
+    if self._fd is not None:
+      os.close(self._fd)
 
 
 class MemorySplit:
   """A split held in memory (tests, and corpora given as token arrays): same interface."""
+
+  def check(self) -> None:
+    pass
 
   def __init__(self, documents: list[np.ndarray]):
     self.lengths = np.array([len(d) for d in documents], dtype=np.int64)
@@ -251,10 +304,12 @@ class MemorySplit:
     return self._flat[lo:hi]
 
 
-def open_store(directory: epath.Path | str, *, verify: bool = True) -> tuple[dict, SplitReader, SplitReader]:
-  """(manifest, train split, eval split) of a complete store; see :func:`read_manifest`."""
+def open_store(directory: epath.Path | str, *, verify: str = "background") -> tuple[dict, SplitReader, SplitReader]:
+  """(manifest, train split, eval split) of a complete store; see :func:`read_manifest` and
+  :class:`Verifier` for ``verify``."""
   directory = epath.Path(directory)
   manifest = read_manifest(directory)
-  train = SplitReader(directory, manifest, "train", verify=verify)
-  heldout = SplitReader(directory, manifest, "eval", verify=verify)
+  train = SplitReader(directory, manifest, "train")
+  heldout = SplitReader(directory, manifest, "eval")
+  train.verifier = heldout.verifier = Verifier(directory, manifest, verify)
   return manifest, train, heldout

@@ -69,7 +69,7 @@ def training_data(config, workdir, *, process_index: int = 0) -> TrainingData:
       prepare(d, directory, seed=config.train.seed, workers=int(d.get("prepare_workers", 0)),
               tokenizer_path=reuse)
     _barrier("tfx-prepare")
-  manifest, train, heldout = store.open_store(directory)
+  manifest, train, heldout = store.open_store(directory, verify=d.get("verify_store", "background"))
   tokenizer = Tokenizer((directory / store.TOKENIZER).read_bytes(), path=str(directory / store.TOKENIZER))
   recorded = manifest["tokenizer"]["sha256"]
   if hashlib.sha256(tokenizer.model_proto).hexdigest() != recorded:
