@@ -29,7 +29,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from tfx import checkpoint, config as config_lib, flops, parallel
+from tfx import checkpoint, config as config_lib, flops, gcs, parallel
 from tfx.data import DataPipeline
 from tfx.data.training import corpus_changes, training_data
 from tfx.errors import DataError, UserError
@@ -287,6 +287,7 @@ def _restore_data_position(exp: Experiment, data_state: dict, writer: MetricsWri
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains (or resumes) `config` in `workdir`; returns a summary of the run."""
+  gcs.preflight(workdir, config.data.source, config.data.tokenizer)  # gs:// fails here, in seconds
   epath.Path(workdir).mkdir(parents=True, exist_ok=True)
   t = config.train
   exp = build(config, workdir)
@@ -374,6 +375,7 @@ def load_trained(workdir: str, step: int | None = None):
   from tfx.data import Tokenizer
 
   load_builtins()
+  gcs.preflight(workdir)
   path = epath.Path(workdir) / "config.json"
   if not path.exists():
     raise UserError(f"{workdir} is not a tfx run: it has no config.json (train one with python -m tfx.train)")

@@ -233,6 +233,9 @@ def prepare(data_cfg, out: str | epath.Path, *, seed: int = 0, workers: int = 0,
       StoreError / ValueError: a source that cannot be read, a store prepared from another
           source, an empty split, a full disk (the finished shards are kept).
   """
+  from tfx import gcs
+
+  gcs.preflight(out, data_cfg.tokenizer, tokenizer_path)
   directory = epath.Path(out)
   spec = Spec.from_config(data_cfg)
   if spec.source.startswith(PREPARED):
