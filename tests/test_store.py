@@ -299,3 +299,25 @@ def test_resume_on_another_corpus_is_refused_unless_allowed(tmp_path, shared_tok
   events = [r for r in read_metrics(workdir) if r["split"] == "event"]
   assert [e["event"] for e in events] == ["corpus_changed"] and events[0]["step"] == 2
   assert "max_documents" in events[0]["changes"][0]
+
+
+def test_store_with_another_vocabulary_or_tokenizer_than_the_config(prepared, tmp_path, shared_tokenizer):
+  from tfx.data.training import training_data
+  from tests.conftest import tiny_config
+
+  config = tiny_config(f"--config.data.source=prepared:{prepared[0]}")  # vocab 1000; the store has 600
+  with pytest.raises(store.StoreError, match="vocabulary of 600.*data.vocab_size=1000"):
+    training_data(config, str(tmp_path / "run"))
+  config = tiny_config(f"--config.data.source=prepared:{prepared[0]}", f"--config.data.tokenizer={shared_tokenizer}")
+  with pytest.raises(store.StoreError, match="is not the tokenizer the store"):
+    training_data(config, str(tmp_path / "run"))
+  data = training_data(tiny_config(f"--config.data.source=prepared:{prepared[0]}", f"--config.data.vocab_size={VOCAB}"),
+                       str(tmp_path / "run"))
+  assert (tmp_path / "run" / "tokenizer.model").read_bytes() == data.tokenizer.model_proto
+
+
+def test_split_that_would_be_empty(tmp_path):
+  source = write_corpus(str(tmp_path / "c"), num_files=4)
+  with pytest.raises(store.StoreError, match="holds out all 4 documents"):
+    prepare(data_config(source, eval_fraction=0.9999, tokenizer_sample_bytes=50_000, vocab_size=500),
+            str(tmp_path / "s"), progress=False)

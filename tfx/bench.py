@@ -207,19 +207,23 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--config", required=True, help="config file, e.g. configs/base.py")
   parser.add_argument("--steps", type=int, default=10, help="timed steps")
   parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the compiling call")
-  parser.add_argument("--json", default=None, help="also write the results as JSON to this path")
+  parser.add_argument("--json", default=None, help="also write the results as JSON to this path (local or gs://)")
   args, overrides = parser.parse_known_args(argv)
   parallel.initialize_distributed()
   try:
     config = config_lib.load_config(args.config, overrides)
+    from tfx import gcs
+
+    gcs.preflight(args.json)
     result = benchmark(config, steps=args.steps, warmup=args.warmup)
   except UserError as e:
     sys.exit(f"tfx.bench: {e}")
   if jax.process_index() == 0:
     print(format_table(result))
-    if args.json:
-      with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
+    if args.json:  # local or gs://
+      from etils import epath
+
+      epath.Path(args.json).write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

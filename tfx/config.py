@@ -143,6 +143,7 @@ _CHOICES = {
     "model.mlp": ("gelu", "gelu_exact", "relu", "geglu", "swiglu"),
     "model.dtype": ("float32", "bfloat16"),
     "model.attention": ("auto", "xla", "cudnn", "reference"),
+    "data.verify_store": ("background", "open", "off"),
 }
 
 
@@ -239,6 +240,13 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int, process_cou
     problems.append(f"data.eval_fraction={d.eval_fraction} must be in (0, 1)")
   if d.eval_batches < 1:
     problems.append(f"data.eval_batches={d.eval_batches} must be at least 1")
+  for key in ("prefetch", "prepare_workers", "tokenizer_sample_bytes"):
+    if d[key] < 0:
+      problems.append(f"data.{key}={d[key]} must be >= 0")
+  if not d.shard_mb > 0:
+    problems.append(f"data.shard_mb={d.shard_mb} must be positive (MB of text per store shard)")
+  if d.source.startswith("prepared:") and not d.source[len("prepared:"):]:
+    problems.append("data.source='prepared:' needs a store directory, e.g. prepared:gs://bucket/c4")
 
   if t.steps < 1:
     problems.append(f"train.steps={t.steps} must be at least 1")

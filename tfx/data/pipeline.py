@@ -18,6 +18,9 @@ global_batch) and the position ``{"epoch", "row"}``, which is what
 
 The held-out (eval) documents are chosen by a hash of the document index, not by
 the seed, so every run on a corpus evaluates on the same text.
+
+Rows are cut on the fly (:meth:`DataPipeline.batch_at`): only the epoch's document order and
+cumulative lengths are kept, never the epoch's tokens, so a token store of any size can be read.
 """
 
 from __future__ import annotations
@@ -110,8 +113,8 @@ class DataPipeline:
   """Deterministic, resumable, host-sliced batches of packed documents, packed on the fly.
 
   The epoch is never materialized: for each row the documents it covers are found by binary
-  search in the epoch's cumulative document lengths and read from the split (memory, or a token
-  store memory-mapped or read by range). Batch ``k`` is a pure function of ``k``
+  search in the epoch's cumulative document lengths and read from the split (in memory, or a
+  token store read with ``pread`` / ranged reads). Batch ``k`` is a pure function of ``k``
   (:meth:`batch_at`), and is identical to cutting the concatenated epoch into rows
   (:meth:`epoch_rows`, the reference the tests compare against). With ``prefetch > 0`` a Grain
   iterator builds the next batches in a background thread while the step runs.

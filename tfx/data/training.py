@@ -79,6 +79,12 @@ def training_data(config, workdir, *, process_index: int = 0) -> TrainingData:
     raise store.StoreError(
         f"data.tokenizer={d.tokenizer} is not the tokenizer the store {directory} was prepared with; set "
         f"data.tokenizer='' to use the store's, or prepare the store again with this tokenizer")
+  vocab = manifest["tokenizer"]["vocab_size"]
+  if not d.tokenizer and vocab != d.vocab_size:
+    raise store.StoreError(
+        f"the store {directory} was tokenized with a vocabulary of {vocab} (its tokenizer.model), but "
+        f"data.vocab_size={d.vocab_size}; set data.vocab_size={vocab}, or prepare a store with the vocabulary you "
+        f"want (in a new --workdir when the run trained its own tokenizer)")
   if process_index == 0 and not own_tokenizer.exists():
     store.write_atomic(own_tokenizer, tokenizer.model_proto)
   if tokenizer.eos_id is None:
