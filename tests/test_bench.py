@@ -133,3 +133,18 @@ def test_objective_flops_match_xla_cost_analysis(overrides):
   xla = jax.jit(loss).lower(params, data, **kwargs).compile().cost_analysis()["flops"]
   analytic = objective.train_flops_per_row(model.cfg, seq) / 3 * batch
   assert 0.93 < xla / analytic < 1.06, (xla, analytic)
+
+
+@pytest.mark.slow
+def test_data_benchmark_runs_and_reports_every_column(tmp_path, capsys):
+  """tfx.bench_data end to end on a small corpus (it reports; nothing asserts speed)."""
+  from tfx import bench_data
+
+  bench_data.main(["--out", str(tmp_path), "--sizes-mb", "3", "--workers", "1", "--vocab-size", "2000"])
+  lines = capsys.readouterr().out.strip().splitlines()
+  row = json.loads(lines[0])
+  for key in ("tokenizer_s", "prepare_s", "prepare_mb_s_per_worker", "first_batch_s", "verified_s",
+              "host_ms_per_batch", "peak_rss_gb"):
+    assert row[key] > 0, key
+  assert row["tokens"] > 500_000 and row["corpus_mb"] >= 3
+  assert lines[-1].startswith("| 3 |")

@@ -58,11 +58,11 @@ def synthetic_corpus(directory: str, megabytes: float, seed: int = 0) -> str:
   return source
 
 
-def _config(source: str, workers: int):
+def _config(source: str, workers: int, vocab_size: int):
   from tfx import config as config_lib
 
   return config_lib.load_config(os.path.join(_ROOT, "configs", "tiny.py"), [
-      f"--config.data.source={source}", "--config.data.vocab_size=8000", "--config.data.max_documents=0",
+      f"--config.data.source={source}", f"--config.data.vocab_size={vocab_size}", "--config.data.max_documents=0",
       f"--config.data.prepare_workers={workers}", f"--config.data.seq_len={LENGTH}",
       f"--config.train.batch_size={ROWS}", "--config.data.shard_mb=16"])
 
@@ -77,7 +77,7 @@ def _peak_rss_bytes() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def measure_loader(store_dir: str, batches: int = 50) -> dict:
+def measure_loader(store_dir: str, vocab_size: int, batches: int = 50) -> dict:
   """In this (fresh) process, as tfx.train does it: build the run on ``prepared:DIR`` (a tiny
   model at 64 x 2048), time to its first batch, host ms per batch (no prefetch), peak RSS."""
   import tempfile
@@ -86,7 +86,7 @@ def measure_loader(store_dir: str, batches: int = 50) -> dict:
 
   config = config_lib.load_config(os.path.join(_ROOT, "configs", "tiny.py"), [
       f"--config.data.source=prepared:{store_dir}", f"--config.data.seq_len={LENGTH}",
-      f"--config.train.batch_size={ROWS}", "--config.data.prefetch=0"])
+      f"--config.train.batch_size={ROWS}", "--config.data.prefetch=0", f"--config.data.vocab_size={vocab_size}"])
   with tempfile.TemporaryDirectory() as workdir:
     start = time.perf_counter()
     exp = train.build(config, workdir)
@@ -102,13 +102,14 @@ def measure_loader(store_dir: str, batches: int = 50) -> dict:
           "peak_rss_gb": _peak_rss_bytes() / 1e9}
 
 
-def step_times(store_dir: str, steps: int = 30) -> dict:
+def step_times(store_dir: str, vocab_size: int, steps: int = 30) -> dict:
   """configs/tiny.py train steps fed by the loader (prefetch 2) and by one reused batch."""
   import jax
 
   from tfx import config as config_lib, parallel, train
 
-  config = config_lib.load_config(os.path.join(_ROOT, "configs", "tiny.py"), [f"--config.data.source=prepared:{store_dir}"])
+  config = config_lib.load_config(os.path.join(_ROOT, "configs", "tiny.py"), [f"--config.data.source=prepared:{store_dir}",
+                                                                             f"--config.data.vocab_size={vocab_size}"])
   workdir = os.path.join(os.path.dirname(store_dir), "step-time-run")
   exp = train.build(config, workdir)
   abstract, shardings = train.state_shardings(exp.model, exp.tx, exp.mesh, config.data.seq_len, exp.objective,
@@ -135,11 +136,12 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--out", default="runs/bench_data")
   parser.add_argument("--sizes-mb", default="10,100,1000")
   parser.add_argument("--workers", type=int, default=0, help="prepare workers (default: all cores)")
+  parser.add_argument("--vocab-size", type=int, default=8000, help="the tokenizer's vocabulary")
   parser.add_argument("--step-time", action="store_true", help="also time tiny.py steps with and without data")
   parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: the fresh loader process
   args = parser.parse_args(argv)
   if args.measure:
-    print(json.dumps(measure_loader(args.measure)))
+    print(json.dumps(measure_loader(args.measure, args.vocab_size)))
     return
   from etils import epath
 
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     source = synthetic_corpus(os.path.join(base, "text"), mb)
     store_dir = os.path.join(base, "store")
     shutil.rmtree(store_dir, ignore_errors=True)  # time a fresh prepare
-    data_cfg = _config(source, workers).data
+    data_cfg = _config(source, workers, args.vocab_size).data
     start = time.perf_counter()
     resolve_tokenizer(data_cfg, epath.Path(store_dir), Spec.from_config(data_cfg))
     tokenizer_s = time.perf_counter() - start
@@ -161,14 +163,15 @@ def main(argv: list[str] | None = None) -> None:
     seconds = time.perf_counter() - start
     text_mb = sum(s["text_bytes"] for s in manifest["shards"]) / 1e6
     used = min(workers, len(manifest["shards"]))
-    proc = subprocess.run([sys.executable, "-m", "tfx.bench_data", "--measure", store_dir], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "tfx.bench_data", "--measure", store_dir, "--vocab-size",
+                           str(args.vocab_size)], capture_output=True,
                           text=True, check=True, cwd=_ROOT)
     row = {"corpus_mb": round(text_mb, 1), "tokens": manifest["splits"]["train"]["tokens"],
            "tokenizer_s": tokenizer_s, "prepare_s": seconds, "workers": used,
            "prepare_mb_s_per_worker": text_mb / seconds / used,
            **json.loads(proc.stdout.strip().splitlines()[-1])}
     if args.step_time and mb == float(args.sizes_mb.split(",")[0]):
-      row.update(step_times(os.path.abspath(store_dir)))
+      row.update(step_times(os.path.abspath(store_dir), args.vocab_size))
     rows.append(row)
     print(json.dumps(row), flush=True)
   print()

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
   print(PROMPT + sample)
   print("-" * 72)
   where = os.path.abspath(args.workdir)
-  print(f"the run is in {where}: config.json, metrics.jsonl, tokenizer.model, checkpoints/")
+  print(f"the run is in {where}: config.json, metrics.jsonl, tokenizer.model, checkpoints/, data/ (its token store)")
   print(f"sample more:  python -m tfx.generate --workdir {args.workdir} --prompt 'class ' --temperature 0.8 --top-p 0.95")
 
 
