@@ -321,3 +321,26 @@ def test_split_that_would_be_empty(tmp_path):
   with pytest.raises(store.StoreError, match="holds out all 4 documents"):
     prepare(data_config(source, eval_fraction=0.9999, tokenizer_sample_bytes=50_000, vocab_size=500),
             str(tmp_path / "s"), progress=False)
+
+
+def test_hub_source_is_streamed_into_the_same_store(tmp_path, prepared):
+  """`hf:` goes through datasets with streaming=True (here a local dataset directory, offline):
+  the shards are byte-identical to those of the same records read as `text:` JSON lines."""
+  data = tmp_path / "dataset"
+  data.mkdir()
+  with open(data / "train.jsonl", "w") as f:
+    for i in range(40):
+      f.write(json.dumps({"text": f"record {i}: " + "some words of text " * (5 + i % 7)}) + "\n")
+  tokenizer = os.path.join(prepared[0], "tokenizer.model")
+  env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
+  stores = {}
+  for name, source in (("hub", f"hf:{data}"), ("text", f"text:{data}/*.jsonl")):
+    out = tmp_path / name
+    proc = subprocess.run(
+        [sys.executable, "-m", "tfx.prepare", "--config", os.path.join(ROOT, "configs", "tiny.py"), "--out", str(out),
+         "--quiet", "--tokenizer", tokenizer, f"--config.data.source={source}", "--config.data.eval_fraction=0.1",
+         "--config.data.shard_mb=0.002", "--config.data.max_documents=0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stores[name] = {k: v for k, v in store_files(out).items() if k != "manifest.json"}
+  assert len(stores["hub"]) > 5 and stores["hub"] == stores["text"]
