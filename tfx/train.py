@@ -14,7 +14,6 @@ Reads as a story:
 """
 
 import dataclasses
-import json
 import signal
 import sys
 import time

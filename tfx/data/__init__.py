@@ -1,7 +1,7 @@
 """Host-side data: text sources, the SentencePiece tokenizer, the token store, packed batches.
 
     manifest = tfx.data.prepare.prepare(config.data, "DIR")  # source -> tokenizer -> token store
-    manifest, train, heldout = store.open_store("DIR")  # memory-mapped (or gs:// ranged reads)
+    manifest, train, heldout = store.open_store("DIR")  # pread (gs:// ranged reads), checksums in a thread
     pipeline = DataPipeline.from_splits(train, heldout, eos_id=..., row_length=..., global_batch=...,
                                         seed=..., process_index=..., process_count=..., prefetch=2)
     batch = pipeline.next_batch()   # {"tokens", "segment_ids", "positions"}: int32 [local, L]
