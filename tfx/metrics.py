@@ -12,25 +12,41 @@ from etils import epath
 class MetricsWriter:
   """Appends `{"step", "split", ...}` records to WORKDIR/metrics.jsonl (process 0 only).
 
-  WORKDIR may be local or gs://. An object store cannot append, so there the whole (small) file is
-  rewritten with each record; a local file is appended to, as before.
+  WORKDIR may be local or gs://. A local file is appended to, as before. An object cannot be
+  appended to, so on gs:// the file is kept in memory and rewritten whole at most every
+  ``flush_seconds`` and at every :meth:`flush` (the loop flushes with each checkpoint and at the
+  end): records after the last checkpoint are dropped on resume anyway.
   """
 
-  def __init__(self, workdir):
+  def __init__(self, workdir, flush_seconds: float = 30.0):
     self.path = epath.Path(workdir) / "metrics.jsonl"
     self.enabled = jax.process_index() == 0
     self.remote = "://" in str(self.path)
+    self.flush_seconds = flush_seconds
+    self._text: str | None = None  # gs://: the file's content
+    self._dirty = False
+    self._flushed = time.time()
 
   def _append(self, record: dict) -> None:
     if not self.enabled:
       return
     line = json.dumps(record) + "\n"
-    if self.remote:
-      old = self.path.read_text() if self.path.exists() else ""
-      self.path.write_text(old + line)
-    else:
+    if not self.remote:
       with self.path.open("a") as f:
         f.write(line)
+      return
+    if self._text is None:
+      self._text = self.path.read_text() if self.path.exists() else ""
+    self._text += line
+    self._dirty = True
+    if time.time() - self._flushed > self.flush_seconds:
+      self.flush()
+
+  def flush(self) -> None:
+    """Writes buffered records (gs:// only; local records are written at once)."""
+    if self.enabled and self.remote and self._dirty:
+      self.path.write_text(self._text)
+      self._dirty, self._flushed = False, time.time()
 
   def write(self, step: int, split: str, values: dict) -> dict:
     record = {"step": int(step), "split": split}
@@ -48,12 +64,14 @@ class MetricsWriter:
 
   def truncate_after(self, step: int) -> None:
     """Drops records after `step` (written by a run that died before its next checkpoint)."""
+    self.flush()
     if not self.enabled or not self.path.exists():
       return
     lines = [ln for ln in self.path.read_text().splitlines(keepends=True) if ln.strip()]
     kept = [ln for ln in lines if json.loads(ln)["step"] <= step]
     if kept != lines:
       self.path.write_text("".join(kept))
+    self._text = None  # gs://: read again on the next record
 
 
 def read_metrics(workdir) -> list[dict]:

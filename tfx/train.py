@@ -357,11 +357,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     stopping = (t.stop_after and step - start_step >= t.stop_after) or preempt.should_stop()
     if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps or stopping:
       checkpoint.save(mngr, step, state, dict(exp.pipeline.state(), corpus=exp.corpus))
+      writer.flush()
     if stopping:
       progress.note(f"stopping at step {step} (checkpoint saved); run the same command to resume")
       break
   mngr.wait_until_finished()
   mngr.close()
+  writer.flush()
   return {"step": step, "workdir": workdir, "state": state, "last_eval": eval_record, "experiment": exp}
 
 

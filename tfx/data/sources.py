@@ -25,7 +25,8 @@ import os
 import sysconfig
 from typing import Iterable, Iterator
 
-ACCEPTED_FORMS = "'stdlib', 'text:GLOB' (e.g. 'text:data/**/*.txt') or 'hf:NAME[:CONFIG]'"
+ACCEPTED_FORMS = ("'stdlib', 'text:GLOB' (e.g. 'text:data/**/*.txt'), 'hf:NAME[:CONFIG]', or 'prepared:DIR' (a "
+                  "token store made by python -m tfx.prepare)")
 
 # Directory names whose contents are never part of the ``stdlib`` corpus.
 _STDLIB_EXCLUDED_DIRS = frozenset(
