@@ -344,3 +344,21 @@ def test_hub_source_is_streamed_into_the_same_store(tmp_path, prepared):
     assert proc.returncode == 0, proc.stderr[-3000:]
     stores[name] = {k: v for k, v in store_files(out).items() if k != "manifest.json"}
   assert len(stores["hub"]) > 5 and stores["hub"] == stores["text"]
+
+
+def test_content_checksum_ignores_sharding_but_not_content(prepared, corpus_source, tmp_path):
+  """Preparing the same corpus with other shard sizes changes the files' checksum but not the
+  content checksum that checkpoints record; other text or another split changes it."""
+  _, manifest = prepared
+  tokenizer = os.path.join(prepared[0], "tokenizer.model")
+  resharded = prepare(data_config(corpus_source, shard_mb=0.05), str(tmp_path / "a"), tokenizer_path=tokenizer,
+                      progress=False)
+  assert len(resharded["shards"]) != len(manifest["shards"])
+  assert resharded["checksum"] != manifest["checksum"]
+  assert resharded["content_checksum"] == manifest["content_checksum"]
+  other_split = prepare(data_config(corpus_source, eval_fraction=0.2), str(tmp_path / "b"), tokenizer_path=tokenizer,
+                        progress=False)
+  assert other_split["content_checksum"] != manifest["content_checksum"]
+  fewer = prepare(data_config(corpus_source, max_documents=59), str(tmp_path / "c"), tokenizer_path=tokenizer,
+                  progress=False)
+  assert fewer["content_checksum"] != manifest["content_checksum"]

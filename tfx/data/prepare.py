@@ -117,7 +117,9 @@ def write_shard(out: str, index: int, first_document: int, texts: list[str], eva
   }
   np_dtype = np.dtype(dtype)
   for split, take in (("train", ~heldout), ("eval", heldout)):
-    docs = [tokens[i] for i in np.flatnonzero(take)]
+    chosen = np.flatnonzero(take)
+    docs = [tokens[i] for i in chosen]
+    content = store.content_sum(docs, indices[chosen], np_dtype)
     lengths = np.array([len(d) for d in docs], np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(store.OFFSET_DTYPE)
     flat = np.concatenate(docs).astype(np_dtype) if docs else np.zeros(0, np_dtype)
@@ -127,7 +129,7 @@ def write_shard(out: str, index: int, first_document: int, texts: list[str], eva
       file_name = f"{name}.{split}.{kind}"
       store.write_atomic(directory / file_name, data)
       files[kind] = {"name": file_name, "bytes": len(data), "sha256": store.sha256_bytes(data)}
-    record[split] = {"documents": len(docs), "tokens": int(lengths.sum()), "files": files}
+    record[split] = {"documents": len(docs), "tokens": int(lengths.sum()), "files": files, "content": content}
   store.write_json_atomic(directory / f"{name}.json", record)  # the commit mark, written last
   return record
 
@@ -362,6 +364,7 @@ def _manifest(spec: Spec, tokenizer: Tokenizer, dtype: str, shards: list[dict], 
       "splits": splits,
       "shards": shards,
       "checksum": store.store_checksum(tokenizer_sha, dtype, shards),
+      "content_checksum": store.content_checksum(tokenizer_sha, dtype, shards),
   }
 
 

@@ -17,8 +17,9 @@ shard's ``.json`` is written after its data files, so a half-written shard is ne
 
 The manifest records the sources (a list: mixtures of corpora come later), the tokenizer's
 checksum and vocabulary size, the token dtype, the split rule, per-shard and per-split document
-and token counts, and a SHA-256 of every file. ``manifest["checksum"]`` identifies the store's
-content; checkpoints record it (corpus identity on resume).
+and token counts, and a SHA-256 of every file. ``manifest["checksum"]`` covers every file (it
+changes with the sharding); ``manifest["content_checksum"]`` covers the tokens, their split and
+their order but not the shard boundaries, and is what checkpoints record (corpus identity).
 """
 
 from __future__ import annotations
@@ -94,6 +95,27 @@ def store_checksum(tokenizer_sha256: str, dtype: str, shards: list[dict]) -> str
       for kind in ("tokens", "offsets"):
         digest.update(shard[split]["files"][kind]["sha256"].encode())
   return digest.hexdigest()
+
+
+def content_sum(documents: list[np.ndarray], indices: np.ndarray, dtype: np.dtype) -> str:
+  """A shard's part of the content checksum: the sum mod 2**64 of one 64-bit hash per document,
+  of its source index and its tokens. A sum, so shards combine whatever their boundaries."""
+  total = 0
+  for tokens, index in zip(documents, indices.tolist()):
+    digest = hashlib.blake2b(np.asarray(tokens, dtype).tobytes(), digest_size=8, key=int(index).to_bytes(8, "little"))
+    total += int.from_bytes(digest.digest(), "little")
+  return f"{total % 2**64:016x}"
+
+
+def content_checksum(tokenizer_sha256: str, dtype: str, shards: list[dict]) -> str:
+  """The identity of a store's tokens, independent of how they are sharded: the tokenizer, the
+  dtype, and per split the document count, token count and summed document hashes."""
+  parts = [FORMAT, str(VERSION), tokenizer_sha256, dtype]
+  for split in SPLITS:
+    total = sum(int(shard[split]["content"], 16) for shard in shards) % 2**64
+    parts += [split, str(sum(shard[split]["documents"] for shard in shards)),
+              str(sum(shard[split]["tokens"] for shard in shards)), f"{total:016x}"]
+  return hashlib.sha256("/".join(parts).encode()).hexdigest()
 
 
 def read_manifest(directory: epath.Path | str) -> dict:

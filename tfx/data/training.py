@@ -89,7 +89,7 @@ def training_data(config, workdir, *, process_index: int = 0) -> TrainingData:
     store.write_atomic(own_tokenizer, tokenizer.model_proto)
   if tokenizer.eos_id is None:
     raise store.StoreError("the store's tokenizer has no '</s>' piece; the data pipeline needs an EOS id")
-  identity = {"checksum": manifest["checksum"], "sources": manifest["sources"], "store": str(directory),
+  identity = {"checksum": manifest["content_checksum"], "sources": manifest["sources"], "store": str(directory),
               "tokenizer_sha256": recorded, "vocab_size": manifest["tokenizer"]["vocab_size"],
               "documents": manifest["documents"], "train_tokens": manifest["splits"]["train"]["tokens"]}
   return TrainingData(tokenizer, train, heldout, directory, identity)
@@ -107,7 +107,7 @@ def corpus_changes(saved: dict | None, current: dict) -> list[str]:
   if saved.get("vocab_size") != current["vocab_size"]:
     changes.append(f"vocabulary size {saved.get('vocab_size')} -> {current['vocab_size']}")
   if saved.get("checksum") != current["checksum"] and not changes:
-    changes.append(f"store content (checksum {str(saved.get('checksum'))[:12]} -> {current['checksum'][:12]}; "
+    changes.append(f"store content (content checksum {str(saved.get('checksum'))[:12]} -> {current['checksum'][:12]}; "
                    f"documents {saved.get('documents')} -> {current['documents']}, train tokens "
                    f"{saved.get('train_tokens')} -> {current['train_tokens']})")
   return changes
