@@ -97,3 +97,13 @@ def test_missing_bucket_and_missing_credentials_fail_fast(gcs, tmp_path):
   assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
   assert "gcloud auth application-default login" in proc.stderr
   assert time.time() - start < 60
+
+
+def test_bench_writes_its_json_to_gcs(gcs):
+  proc = tfx("bench", "--config", CONFIG, "--steps", "1", "--warmup", "0", "--json", "gs://tfx-test/bench/out.json",
+             env=gcs)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  code = "from etils import epath; import json; print(json.loads(epath.Path('gs://tfx-test/bench/out.json').read_text())['objective'])"
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, **gcs})
+  assert out.stdout.strip() == "causal_lm", out.stderr[-2000:]
