@@ -1,4 +1,5 @@
-"""gs:// end to end against a local GCS emulator: prepare -> train -> stop -> resume -> generate.
+"""gs:// end to end against a local GCS emulator: prepare -> train -> stop -> resume -> generate ->
+convert.
 
 The emulator (gcp-storage-emulator, see tests/gcs_emulator.py) speaks the GCS JSON API on
 127.0.0.1; gcsfs, etils.epath, tensorstore and orbax are pointed at it by environment variables,
@@ -10,7 +11,9 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from tests.conftest import ROOT
 from tests.gcs_emulator import start_emulator
@@ -77,6 +80,22 @@ def test_store_and_workdir_on_gcs(gcs, tmp_path, shared_tokenizer):
   local_sample = tfx("generate", "--workdir", str(local), "--prompt", "def ", "--max-new-tokens", "8",
                      "--temperature", "0")
   assert sample.stdout == local_sample.stdout
+
+  # tfx.convert with the run on gs://: export equals the local run's export; import into gs:// and
+  # export again gives the same tensors.
+  exports = {}
+  for name, run in (("gs", "gs://tfx-test/run"), ("local", str(local)), ("imported", "gs://tfx-test/imported")):
+    if name == "imported":
+      imported = tfx("convert", "--from-hf", str(tmp_path / "hf-local"), "--workdir", run, env=gcs)
+      assert imported.returncode == 0, imported.stderr[-3000:]
+    out = tmp_path / f"hf-{name}"
+    exported = tfx("convert", "--to-hf", str(out), "--workdir", run, env=gcs)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    exports[name] = load_file(str(out / "model.safetensors"))
+  for name in ("gs", "imported"):
+    assert exports[name].keys() == exports["local"].keys()
+    for key, value in exports["local"].items():
+      np.testing.assert_array_equal(exports[name][key], value, err_msg=f"{name} {key}")
 
 
 def test_missing_bucket_and_missing_credentials_fail_fast(gcs, tmp_path):

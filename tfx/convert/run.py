@@ -1,0 +1,163 @@
+"""The command line: python -m tfx.convert --from-hf DIR --workdir OUT | --to-hf DIR --workdir RUN.
+
+OUT / RUN may be gs:// (the run's files go through etils.epath and orbax); DIR is local.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+import numpy as np
+from etils import epath
+
+from tfx import gcs
+from tfx.errors import UserError
+from tfx.convert.layouts import ARCHITECTURES, ConvertError
+from tfx.convert.tensors import _flatten
+from tfx.convert.hf_import import from_hf
+from tfx.convert.export import t5_tokenizer_proto, to_hf
+
+
+# ============================================================================ command line
+#
+# The run directory (--workdir) may be local or gs:// (etils.epath); the Hugging Face directory is
+# local (safetensors' numpy API and transformers read local files).
+
+
+def _absolute(path) -> epath.Path:
+  """A local path made absolute (config.json records the tokenizer's path); gs:// as it is."""
+  return epath.Path(path) if "://" in str(path) else epath.Path(os.path.abspath(path))
+
+
+def import_run(hf_dir: str, workdir: str) -> dict[str, Any]:
+  """`--from-hf`: writes WORKDIR/config.json, config.py, checkpoints/0 (and tokenizer.model)."""
+  import jax  # noqa: PLC0415
+
+  from tfx import checkpoint, config as config_lib, parallel  # noqa: PLC0415
+  from tfx.models import build_model  # noqa: PLC0415
+  from tfx.train import make_optimizer, state_shardings, TrainState  # noqa: PLC0415
+
+  gcs.preflight(workdir)
+  config, params = from_hf(hf_dir)
+  run = _absolute(workdir)
+  run.mkdir(parents=True, exist_ok=True)
+  if (run / "checkpoints").exists() and any((run / "checkpoints").iterdir()):
+    raise ConvertError(f"{workdir}/checkpoints already has checkpoints; import into a new --workdir")
+  notes = []
+  spiece = os.path.join(hf_dir, "spiece.model")
+  if os.path.isfile(spiece):
+    tok_path = run / "tokenizer.model"
+    tok_path.write_bytes(t5_tokenizer_proto(spiece, config.data.vocab_size))
+    config.data.tokenizer = str(tok_path)
+    notes.append(f"tokenizer: {spiece} -> {tok_path} (sentinels <extra_id_k> at HF's ids)")
+  else:
+    config.data.tokenizer = str(run / "SET-data.tokenizer-TO-A-SENTENCEPIECE-MODEL")
+    notes.append(
+        f"tokenizer: {hf_dir} has no sentencepiece model (BERT/RoBERTa/GPT-2 use WordPiece/BPE tokenizers, which "
+        f"tfx does not read). Before training, set --config.data.tokenizer=PATH to a sentencepiece model whose ids "
+        f"match the checkpoint's {config.data.vocab_size} embedding rows.")
+
+  model = build_model(config.model, vocab_size=config.data.vocab_size, max_length=config.data.seq_len)
+  tx, _ = make_optimizer(config)
+  mesh = parallel.make_mesh(config.mesh)
+  abstract, shardings = state_shardings(model, tx, mesh, config.data.seq_len)
+  params_dev = jax.tree.map(lambda a, s: jax.device_put(np.asarray(a, np.float32), s), params, shardings.params)
+  with parallel.context(mesh):
+    opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params_dev)
+  rng = jax.random.key_data(jax.random.split(jax.random.key(config.train.seed))[1])
+  state = TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params_dev, opt_state=opt_state,
+                     rng=jax.device_put(rng, shardings.rng))
+  mngr = checkpoint.manager(workdir, keep=config.train.keep_checkpoints, async_save=False)
+  checkpoint.save(mngr, 0, state, {"epoch": 0, "row": 0})
+  mngr.wait_until_finished()
+  mngr.close()
+  (run / "config.json").write_text(config_lib.to_json(config))
+  (run / "config.py").write_text(_CONFIG_PY.format(source=os.path.abspath(hf_dir)))
+  return {"config": config, "notes": notes, "num_params": sum(int(np.prod(np.shape(x))) for x in
+                                                             _flatten(params).values())}
+
+
+_CONFIG_PY = '''"""A model imported from {source} by `python -m tfx.convert --from-hf`.
+
+Fine-tune it by training in this directory (tfx.train resumes from its checkpoints/0):
+
+    python -m tfx.train --config THIS_DIR/config.py --workdir THIS_DIR --config.train.steps=N
+"""
+
+import os
+
+from tfx.config import from_json
+
+
+def get_config():
+  with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.json")) as f:
+    return from_json(f.read())
+'''
+
+
+def _load_params(workdir: str, step: int | None):
+  """(config, params, special ids) of a run; works without a tokenizer (imported runs)."""
+  from tfx import train  # noqa: PLC0415
+  from tfx import checkpoint, config as config_lib, parallel  # noqa: PLC0415
+  from tfx.models import build_model  # noqa: PLC0415
+  from tfx.registry import load_builtins  # noqa: PLC0415
+
+  gcs.preflight(workdir)
+  path = epath.Path(workdir) / "config.json"
+  if not path.is_file():
+    raise ConvertError(f"{workdir} is not a tfx run: it has no config.json")
+  config = config_lib.from_json(path.read_text())
+  tok = epath.Path(config.data.tokenizer or epath.Path(workdir) / "tokenizer.model")
+  if tok.is_file():
+    config, tokenizer, _, params = train.load_trained(workdir, step)
+    ids = {k: getattr(tokenizer, f"{k}_id") for k in ("pad", "eos", "bos")}
+    return config, params, {k: v for k, v in ids.items() if v is not None}
+  load_builtins()
+  model = build_model(config.model, vocab_size=config.data.vocab_size, max_length=config.data.seq_len)
+  tx, _ = train.make_optimizer(config)
+  with config.unlocked():
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
+  mesh = parallel.make_mesh(config.mesh)
+  abstract, shardings = train.state_shardings(model, tx, mesh, config.data.seq_len)
+  mngr = checkpoint.manager(workdir, keep=config.train.keep_checkpoints, async_save=False)
+  step = mngr.latest_step() if step is None else step
+  if step is None:
+    raise ConvertError(f"{workdir}/checkpoints has no checkpoint")
+  state, _ = checkpoint.restore(mngr, step, checkpoint.abstract_like(abstract, shardings))
+  mngr.close()
+  return config, state.params, None
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m tfx.convert", description=__doc__.split("\n")[0])
+  group = parser.add_mutually_exclusive_group(required=True)
+  group.add_argument("--from-hf", metavar="DIR", help="HF save_pretrained directory to import")
+  group.add_argument("--to-hf", metavar="DIR", help="directory to write the HF checkpoint to")
+  parser.add_argument("--workdir", required=True, help="tfx run directory (written by --from-hf, read by --to-hf)")
+  parser.add_argument("--architecture", choices=ARCHITECTURES, help="--to-hf: HF class (default: from the family)")
+  parser.add_argument("--step", type=int, help="--to-hf: checkpoint step (default: the latest)")
+  args = parser.parse_args(argv)
+  try:
+    if args.from_hf:
+      out = import_run(args.from_hf, args.workdir)
+      c = out["config"]
+      print(f"tfx.convert: {args.from_hf} -> {args.workdir}: {c.model.family} ({out['num_params']:,} parameters), "
+            f"checkpoint at step 0, config.json + config.py")
+      for note in out["notes"]:
+        print(f"  {note}")
+      print(f"  fine-tune: python -m tfx.train --config {args.workdir.rstrip('/')}/config.py "
+            f"--workdir {args.workdir} --config.objective.name={c.objective.name} --config.train.steps=N")
+    else:
+      config, params, ids = _load_params(args.workdir, args.step)
+      arch = to_hf(config, params, args.to_hf, architecture=args.architecture, special_ids=ids)
+      print(f"tfx.convert: {args.workdir} -> {args.to_hf} ({arch}); load it with "
+            f"transformers.{arch}.from_pretrained({args.to_hf!r})")
+  except UserError as e:
+    sys.exit(f"tfx.convert: {e}")
+
+
+if __name__ == "__main__":
+  main()
