@@ -89,7 +89,7 @@ def training_data(config, workdir, *, process_index: int = 0) -> TrainingData:
     store.write_atomic(own_tokenizer, tokenizer.model_proto)
   if tokenizer.eos_id is None:
     raise store.StoreError("the store's tokenizer has no '</s>' piece; the data pipeline needs an EOS id")
-  identity = {"checksum": manifest["content_checksum"], "sources": manifest["sources"], "store": str(directory),
+  identity = {"checksum": manifest.get("content_checksum", manifest["checksum"]), "sources": manifest["sources"], "store": str(directory),
               "tokenizer_sha256": recorded, "vocab_size": manifest["tokenizer"]["vocab_size"],
               "documents": manifest["documents"], "train_tokens": manifest["splits"]["train"]["tokens"]}
   return TrainingData(tokenizer, train, heldout, directory, identity)
