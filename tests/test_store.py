@@ -221,7 +221,7 @@ def test_missing_torn_and_damaged_shards_are_named(copy_of):
   _, train, heldout = store.open_store(str(out))  # sizes are right: found by the background check
   pipeline = DataPipeline.from_splits(train, heldout, eos_id=1, row_length=32, global_batch=4, seed=0)
   with pytest.raises(store.StoreError, match=f"{path.name} does not match its checksum"):
-    train.verifier.wait()
+    pipeline.wait_verified()
   with pytest.raises(store.StoreError, match=f"{path.name} does not match its checksum"):
     pipeline.next_batch()  # and the run stops at its next batch
   store.open_store(str(out), verify="off")  # sizes only

@@ -92,7 +92,7 @@ def measure_loader(store_dir: str, vocab_size: int, batches: int = 50) -> dict:
     exp = train.build(config, workdir)
     exp.pipeline.next_batch()
     first = time.perf_counter() - start
-    exp.pipeline._train.verifier.wait()  # checksums hashed in the background since the store opened
+    exp.pipeline.wait_verified()  # checksums hashed in the background since the store opened
     verified = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(batches):

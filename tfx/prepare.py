@@ -9,7 +9,7 @@ kept. Then train with --config.data.source=prepared:DIR.
 import argparse
 import sys
 
-from tfx import config as config_lib
+from tfx import config as config_lib, gcs
 from tfx.data.prepare import prepare
 from tfx.errors import UserError
 
@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> None:
   args, overrides = parser.parse_known_args(argv)
   try:
     config = config_lib.load_config(args.config, overrides)
+    gcs.preflight(args.out, config.data.tokenizer, args.tokenizer)  # gs:// fails here, in seconds
     manifest = prepare(config.data, args.out, seed=config.train.seed, workers=args.workers,
                        tokenizer_path=args.tokenizer, progress=not args.quiet)
   except (UserError, ValueError, FileNotFoundError) as e:

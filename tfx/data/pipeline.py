@@ -365,6 +365,13 @@ class DataPipeline:
     opens = np.where(forward[:, None], opens[:, :n], closes[:, ::-1])
     return _segments(tokens, opens)
 
+  def wait_verified(self) -> None:
+    """Blocks until the store's background checksum pass is done; raises if it found damage."""
+    for split in (self._train, self._heldout):
+      verifier = getattr(split, "verifier", None)
+      if verifier is not None:
+        verifier.wait()
+
   def next_batch(self) -> Batch:
     """The next train batch for this host (from the prefetch thread when ``prefetch > 0``)."""
     if not self.prefetch:

@@ -86,8 +86,8 @@ def _encode(texts: list[str]) -> list[np.ndarray]:
   return out
 
 
-def write_shard(out: str, index: int, first_document: int, texts: list[str], eval_fraction: float,
-                dtype: str, forced_eval: int = -1) -> dict:
+def write_shard(out: str, index: int, first_document: int, texts: list[str], text_bytes: int,
+                eval_fraction: float, dtype: str, forced_eval: int = -1) -> dict:
   """Tokenizes one shard's documents and writes its files, then its record (runs in a worker).
 
   Args:
@@ -95,6 +95,7 @@ def write_shard(out: str, index: int, first_document: int, texts: list[str], eva
       index: the shard number.
       first_document: source index of ``texts[0]``.
       texts: the shard's documents.
+      text_bytes: their UTF-8 size (recorded for progress and the manifest).
       eval_fraction: the split rule's fraction.
       dtype: the token dtype name.
       forced_eval: a source index held out whatever its hash (the corpus had no held-out
@@ -111,7 +112,7 @@ def write_shard(out: str, index: int, first_document: int, texts: list[str], eva
   heldout = heldout_by_hash(hashes, eval_fraction) | (indices == forced_eval)
   record: dict[str, Any] = {
       "name": name, "index": index, "first_document": first_document, "documents": len(texts),
-      "text_bytes": sum(len(t.encode("utf-8")) for t in texts), "forced_eval": forced_eval,
+      "text_bytes": text_bytes, "forced_eval": forced_eval,
       "min_hash_document": int(indices[np.argmin(hashes)]) if len(texts) else -1,
       "min_hash": int(hashes.min()) if len(texts) else 2**64 - 1,
   }
@@ -162,21 +163,19 @@ def _shard_is_complete(directory: epath.Path, index: int, first_document: int, c
 
 
 def _shards(documents: Iterator[tuple[str, str]], shard_bytes: int,
-            max_documents: int) -> Iterator[tuple[int, int, list[str]]]:
-  """(index, first document, texts): consecutive documents closed at ``shard_bytes`` of text."""
+            max_documents: int) -> Iterator[tuple[int, int, list[str], int]]:
+  """(index, first document, texts, UTF-8 bytes): consecutive documents closed at ``shard_bytes``."""
   texts: list[str] = []
   size = first = index = count = 0
-  for _, text in documents:
-    if max_documents and count >= max_documents:
-      break
+  for _, text in _limited(documents, max_documents):
     texts.append(text)
     size += len(text.encode("utf-8"))
     count += 1
     if size >= shard_bytes:
-      yield index, first, texts
+      yield index, first, texts, size
       index, first, texts, size = index + 1, count, [], 0
   if texts:
-    yield index, first, texts
+    yield index, first, texts, size
 
 
 def resolve_tokenizer(data_cfg, directory: epath.Path, spec: Spec, *, seed: int = 0,
@@ -235,9 +234,6 @@ def prepare(data_cfg, out: str | epath.Path, *, seed: int = 0, workers: int = 0,
       StoreError / ValueError: a source that cannot be read, a store prepared from another
           source, an empty split, a full disk (the finished shards are kept).
   """
-  from tfx import gcs
-
-  gcs.preflight(out, data_cfg.tokenizer, tokenizer_path)
   directory = epath.Path(out)
   spec = Spec.from_config(data_cfg)
   if spec.source.startswith(PREPARED):
@@ -282,13 +278,13 @@ def _write_store(directory: epath.Path, spec: Spec, tokenizer: Tokenizer, worker
   _init_worker(tokenizer.model_proto)
   pending: dict[concurrent.futures.Future, int] = {}
   try:
-    for index, first, texts in _shards(documents, shard_bytes, spec.max_documents):
+    for index, first, texts, size in _shards(documents, shard_bytes, spec.max_documents):
       done = _shard_is_complete(directory, index, first, len(texts), -1)
       if done is not None:
         records[index] = done
         meter.add(done, reused=True)
         continue
-      args = (str(directory), index, first, texts, spec.eval_fraction, dtype)
+      args = (str(directory), index, first, texts, size, spec.eval_fraction, dtype)
       if pool is None and workers > 1 and index > 0:  # a one-shard corpus never pays for worker start-up
         pool = concurrent.futures.ProcessPoolExecutor(
             workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
@@ -339,10 +335,10 @@ def _hold_out_one(directory, spec, shards, dtype, shard_bytes) -> list[dict]:
   best = min(shards, key=lambda s: s["min_hash"])
   forced = best["min_hash_document"]
   documents = sources.iter_documents(spec.source, text_field=spec.text_field, streaming=True)
-  for index, first, texts in _shards(documents, shard_bytes, spec.max_documents):
+  for index, first, texts, size in _shards(documents, shard_bytes, spec.max_documents):
     if index == best["index"]:
       shards[index] = (_shard_is_complete(directory, index, first, len(texts), forced)
-                       or write_shard(str(directory), index, first, texts, spec.eval_fraction, dtype, forced))
+                       or write_shard(str(directory), index, first, texts, size, spec.eval_fraction, dtype, forced))
       return shards
   raise store.StoreError(f"data source {spec.source!r} changed while it was being prepared; run again")
 

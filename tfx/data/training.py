@@ -9,7 +9,6 @@ tokenizer is the store's, copied to ``WORKDIR/tokenizer.model`` for ``tfx.genera
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 
 from etils import epath
 
@@ -72,7 +71,7 @@ def training_data(config, workdir, *, process_index: int = 0) -> TrainingData:
   manifest, train, heldout = store.open_store(directory, verify=d.get("verify_store", "background"))
   tokenizer = Tokenizer((directory / store.TOKENIZER).read_bytes(), path=str(directory / store.TOKENIZER))
   recorded = manifest["tokenizer"]["sha256"]
-  if hashlib.sha256(tokenizer.model_proto).hexdigest() != recorded:
+  if store.sha256_bytes(tokenizer.model_proto) != recorded:
     raise store.StoreError(f"{directory / store.TOKENIZER} does not match the tokenizer recorded in its manifest; "
                            f"the store is damaged: prepare it again")
   if d.tokenizer and store.sha256_bytes(epath.Path(d.tokenizer).read_bytes()) != recorded:
