@@ -14,10 +14,6 @@ ARCHITECTURES = ("BertForMaskedLM", "RobertaForMaskedLM", "GPT2LMHeadModel", "T5
                  "XLNetLMHeadModel")
 _MODEL_TYPES = {"bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM", "gpt2": "GPT2LMHeadModel",
                 "t5": "T5ForConditionalGeneration"}
-# HF tensors that carry no information tfx needs (tied copies, buffers, unused heads).
-_IGNORED_SUFFIXES = (".position_ids", "attn.bias", "attn.masked_bias", "encoder.embed_tokens.weight",
-                     "decoder.embed_tokens.weight", "cls.predictions.decoder.bias", "lm_head.decoder.bias")
-_IGNORED_PREFIXES = ("bert.pooler.", "roberta.pooler.")
 # Model fields that define the architecture (what export + import must preserve).
 MODEL_FIELDS = ("family", "num_layers", "num_decoder_layers", "d_model", "num_heads", "d_ff", "position",
                 "relative_buckets", "relative_max_distance", "type_vocab_size", "embed_norm", "embed_scale",
@@ -87,10 +83,17 @@ def _norm(hf: str, tfx: str, bias: bool = True) -> list[_Rule]:
 
 @dataclasses.dataclass
 class _Layout:
-  """All rules of one architecture: global ones and per-layer ones of each stack."""
+  """All rules of one architecture: global ones and per-layer ones of each stack.
+
+  `unused`: (fnmatch pattern, reason) for the HF tensors that the HF model of this config does
+  not use or that repeat a mapped one (buffers, tied copies, heads of other tasks); an import
+  fails on any tensor that is neither mapped nor matched here. `copies`: HF tensors export
+  writes as copies of another one (HF name -> source HF name)."""
 
   globals: list[_Rule]
   stacks: list[tuple[str, int, list[_Rule]]]  # (tfx stack name, number of layers, rules)
+  unused: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+  copies: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _layer_path(stack: str, name: str, layer: int | None = None) -> str:
@@ -148,13 +151,24 @@ def _layout_tensors(layout: _Layout, params: dict) -> dict[str, np.ndarray]:
         else:
           values = [_get(params, _layer_path(stack, p, i)) for p in rule.tfx]
         put(tuple(s.format(i=i) for s in rule.hf), rule.save(values))
+  for name, source in layout.copies.items():
+    tensors[name] = tensors[source].copy()
   return tensors
 
 
+_TIED = "a tied copy of {}: HF ties it on load"
+_BUFFER = "a buffer (constant indices or a causal mask), not a parameter"
+
+
 def _bert_layout(m, prefix: str, head: str, pos_offset: int) -> _Layout:
+  """BERT (`head="cls"`) or RoBERTa (`head="lm_head"`). With tied embeddings the output bias is
+  the head's `bias` (HF ties `decoder.bias` to it); untied (transformers >= 5) the decoder is a
+  Linear with its own bias and `bias` is unused: import reads `decoder.bias`, export writes both
+  (older transformers tie the two even when untied)."""
   h, d = m.num_heads, _head_dim(m)
   p = f"{prefix}.embeddings"
-  g = [_rule(f"{p}.word_embeddings.weight", "token_embed/embedding"),
+  words = f"{p}.word_embeddings.weight"
+  g = [_rule(words, "token_embed/embedding"),
        _rule(f"{p}.position_embeddings.weight", "position_embed/embedding",
              _one(lambda w: w[pos_offset:]),
              _one(lambda k: np.concatenate([np.zeros((pos_offset, k.shape[1]), k.dtype), k]))),
@@ -162,17 +176,26 @@ def _bert_layout(m, prefix: str, head: str, pos_offset: int) -> _Layout:
   if m.type_vocab_size:
     g.append(_rule(f"{p}.token_type_embeddings.weight", "type_embed/embedding"))
   if head == "cls":
-    g += [_linear("cls.predictions.transform.dense.weight", "head_dense/kernel"),
-          _rule("cls.predictions.transform.dense.bias", "head_dense/bias"),
-          *_norm("cls.predictions.transform.LayerNorm", "head_norm"),
-          _rule("cls.predictions.bias", "output_bias")]
-    if not m.tie_embeddings:
-      g.append(_linear("cls.predictions.decoder.weight", "lm_head/kernel"))
+    mlm = "cls.predictions"
+    g += [_linear(f"{mlm}.transform.dense.weight", "head_dense/kernel"),
+          _rule(f"{mlm}.transform.dense.bias", "head_dense/bias"),
+          *_norm(f"{mlm}.transform.LayerNorm", "head_norm")]
   else:
+    mlm = "lm_head"
     g += [_linear("lm_head.dense.weight", "head_dense/kernel"), _rule("lm_head.dense.bias", "head_dense/bias"),
-          *_norm("lm_head.layer_norm", "head_norm"), _rule("lm_head.bias", "output_bias")]
-    if not m.tie_embeddings:
-      g.append(_linear("lm_head.decoder.weight", "lm_head/kernel"))
+          *_norm("lm_head.layer_norm", "head_norm")]
+  unused = [(f"{p}.position_ids", _BUFFER), (f"{p}.token_type_ids", _BUFFER),
+            (f"{prefix}.pooler.*", "the pooler (input of the next-sentence head), not part of the MLM model"),
+            ("cls.seq_relationship.*", "the next-sentence-prediction head, not part of the MLM model")]
+  copies = {}
+  if m.tie_embeddings:
+    g.append(_rule(f"{mlm}.bias", "output_bias"))
+    unused += [(f"{mlm}.decoder.weight", _TIED.format(words)), (f"{mlm}.decoder.bias", _TIED.format(f"{mlm}.bias"))]
+  else:
+    g += [_linear(f"{mlm}.decoder.weight", "lm_head/kernel"), _rule(f"{mlm}.decoder.bias", "output_bias")]
+    unused.append((f"{mlm}.bias", f"unused by HF when tie_word_embeddings=False ({mlm}.decoder.bias is the "
+                                  "output bias); export writes a copy for older transformers"))
+    copies[f"{mlm}.bias"] = f"{mlm}.decoder.bias"
   L = f"{prefix}.encoder.layer.{{i}}"
   layer = []
   for name in ("query", "key", "value"):
@@ -186,7 +209,7 @@ def _bert_layout(m, prefix: str, head: str, pos_offset: int) -> _Layout:
             _linear(f"{L}.output.dense.weight", "mlp/wo/kernel"),
             _rule(f"{L}.output.dense.bias", "mlp/wo/bias"),
             *_norm(f"{L}.output.LayerNorm", "mlp_norm")]
-  return _Layout(g, [("encoder", m.num_layers, layer)])
+  return _Layout(g, [("encoder", m.num_layers, layer)], unused, copies)
 
 
 def _gpt2_layout(m) -> _Layout:
@@ -194,7 +217,10 @@ def _gpt2_layout(m) -> _Layout:
   g = [_rule("transformer.wte.weight", "token_embed/embedding"),
        _rule("transformer.wpe.weight", "position_embed/embedding"),
        *_norm("transformer.ln_f", "final_norm")]
-  if not m.tie_embeddings:
+  unused = [("transformer.h.*.attn.bias", _BUFFER), ("transformer.h.*.attn.masked_bias", _BUFFER)]
+  if m.tie_embeddings:
+    unused.append(("lm_head.weight", _TIED.format("transformer.wte.weight")))
+  else:
     g.append(_linear("lm_head.weight", "lm_head/kernel"))
   L = "transformer.h.{i}"
   qkv = tuple(f"attention/{n}/kernel" for n in ("query", "key", "value"))
@@ -213,7 +239,7 @@ def _gpt2_layout(m) -> _Layout:
       _rule(f"{L}.mlp.c_fc.weight", "mlp/wi_0/kernel"), _rule(f"{L}.mlp.c_fc.bias", "mlp/wi_0/bias"),
       _rule(f"{L}.mlp.c_proj.weight", "mlp/wo/kernel"), _rule(f"{L}.mlp.c_proj.bias", "mlp/wo/bias"),
   ]
-  return _Layout(g, [("decoder", m.num_layers, layer)])
+  return _Layout(g, [("decoder", m.num_layers, layer)], unused)
 
 
 def _t5_layout(m, lm_head_scale: float = 1.0) -> _Layout:
@@ -223,7 +249,10 @@ def _t5_layout(m, lm_head_scale: float = 1.0) -> _Layout:
        _rule("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", "decoder_relative_bias/embedding"),
        *_norm("encoder.final_layer_norm", "encoder_final_norm", bias=False),
        *_norm("decoder.final_layer_norm", "decoder_final_norm", bias=False)]
-  if not m.tie_embeddings:
+  unused = [(f"{stack}.embed_tokens.weight", _TIED.format("shared.weight")) for stack in ("encoder", "decoder")]
+  if m.tie_embeddings:
+    unused.append(("lm_head.weight", _TIED.format("shared.weight")))
+  else:
     s = lm_head_scale  # an untied head with scaled inputs (unusual): folded into the kernel
     g.append(_rule("lm_head.weight", "lm_head/kernel", _one(lambda w: np.ascontiguousarray(w.T) * np.float32(s)),
                    _one(lambda k: np.ascontiguousarray(k.T) / np.float32(s))))
@@ -249,7 +278,8 @@ def _t5_layout(m, lm_head_scale: float = 1.0) -> _Layout:
   dec = [*attention(f"{D}.0.SelfAttention", "attention"), *_norm(f"{D}.0.layer_norm", "attention_norm", bias=False),
          *attention(f"{D}.1.EncDecAttention", "cross_attention"),
          *_norm(f"{D}.1.layer_norm", "cross_attention_norm", bias=False), *mlp(f"{D}.2")]
-  return _Layout(g, [("encoder", m.num_layers, enc), ("decoder", m.num_decoder_layers or m.num_layers, dec)])
+  return _Layout(g, [("encoder", m.num_layers, enc), ("decoder", m.num_decoder_layers or m.num_layers, dec)],
+                 unused)
 
 
 def _roberta_offset(hf_cfg: dict) -> int:

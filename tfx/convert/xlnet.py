@@ -7,7 +7,7 @@ import numpy as np
 
 from tfx.convert.layouts import Arrays, ConvertError, _Layout, _layout_params, _linear, _norm, _one, _require, _rule
 from tfx.convert.configs import _TFX_ACT, _activation, _base_config
-from tfx.convert.tensors import _expected_shapes, _flatten, _load_tensors
+from tfx.convert.tensors import _expected_shapes, _flatten
 
 
 # ============================================================================ XLNet
@@ -108,9 +108,9 @@ def _xlnet_hf_config(config, ids: dict) -> dict:
   return out
 
 
-def _xlnet_from_hf(path: str, hf_cfg: dict, scan_layers: bool) -> tuple[ml_collections.ConfigDict, dict]:
-  """`from_hf` for an `XLNetLMHeadModel` directory (see the section comment)."""
-  tensors = _load_tensors(path)
+def _xlnet_from_hf(path: str, hf_cfg: dict, scan_layers: bool, tensors: dict[str, np.ndarray]):
+  """`import_hf` for an `XLNetLMHeadModel` directory (see the section comment): (config, params,
+  the HF tensors used, the known-unused patterns)."""
   n = int(hf_cfg["n_layer"])
   tied_biases = all(np.array_equal(tensors.get(f"transformer.layer.{i}.rel_attn.{b}"),
                                    tensors.get(f"transformer.layer.0.rel_attn.{b}"))
@@ -129,12 +129,8 @@ def _xlnet_from_hf(path: str, hf_cfg: dict, scan_layers: bool) -> tuple[ml_colle
   head = tensors.get("lm_loss.weight")
   if head is not None and not np.array_equal(head, tensors["transformer.word_embedding.weight"]):
     raise ConvertError(f"{path}: lm_loss.weight differs from the word embedding; tfx's xlnet head is tied")
-  used.add("lm_loss.weight")
-  leftover = sorted(k for k in tensors if k not in used)
-  if leftover:
-    raise ConvertError(f"{path}: tensors tfx has no place for: {', '.join(leftover[:8])}")
   _check_shapes(config, params, path)
-  return config, params
+  return config, params, used, [("lm_loss.weight", "a tied copy of transformer.word_embedding.weight")]
 
 
 def _check_shapes(config, params: dict, where: str) -> None:
