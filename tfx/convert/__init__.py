@@ -31,16 +31,23 @@ stacked along a leading `layers` axis when `model.scan_layers=True` (the default
 tfx models), or stored per layer (`<stack>/layer_{i}/...`) otherwise.
 
 The package, one module per concern: `layouts` (tensor rules and the BERT / GPT-2 / T5 layouts),
-`configs` (config.json <-> tfx config), `tensors` (safetensors reading, flat trees), `xlnet`,
-`hf_import` (`from_hf`), `export` (`to_hf`), `run` (the command line: `import_run`, `main`).
+`configs` (config.json <-> tfx config), `audit` (every config.json field: mapped, refused, or
+known not to matter), `tensors` (safetensors reading, flat trees), `xlnet`, `hf_import`
+(`from_hf`, `import_hf` with the account of every tensor and field), `export` (`to_hf`), `verify`
+(HF vs tfx logits, `--verify`), `run` (the command line: `import_run`, `main`).
+
+Nothing imports silently wrong: a checkpoint tensor that is neither mapped nor known-unused, a
+config.json field that is not audited, or a field value tfx cannot represent fails the import
+with its name.
 """
 
 from tfx.convert.export import t5_tokenizer_proto, to_hf
-from tfx.convert.hf_import import from_hf
+from tfx.convert.hf_import import Imported, from_hf, import_hf
 from tfx.convert.layouts import ARCHITECTURES, MODEL_FIELDS, ConvertError
 from tfx.convert.run import _load_params, import_run, main
 from tfx.convert.tensors import _flatten
+from tfx.convert.verify import verify
 from tfx.convert.xlnet import XLNET
 
-__all__ = ["ARCHITECTURES", "MODEL_FIELDS", "XLNET", "ConvertError", "from_hf", "import_run", "main",
-           "t5_tokenizer_proto", "to_hf"]
+__all__ = ["ARCHITECTURES", "MODEL_FIELDS", "XLNET", "ConvertError", "Imported", "from_hf", "import_hf", "import_run",
+           "main", "t5_tokenizer_proto", "to_hf", "verify"]

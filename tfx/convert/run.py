@@ -17,8 +17,9 @@ from tfx import gcs
 from tfx.errors import UserError
 from tfx.convert.layouts import ARCHITECTURES, ConvertError
 from tfx.convert.tensors import _flatten
-from tfx.convert.hf_import import from_hf
-from tfx.convert.export import t5_tokenizer_proto, to_hf
+from tfx.convert.hf_import import import_hf
+from tfx.convert.export import _to_numpy, t5_tokenizer_proto, to_hf
+from tfx.convert.verify import LIMIT, verify
 
 
 # ============================================================================ command line
@@ -32,8 +33,11 @@ def _absolute(path) -> epath.Path:
   return epath.Path(path) if "://" in str(path) else epath.Path(os.path.abspath(path))
 
 
-def import_run(hf_dir: str, workdir: str) -> dict[str, Any]:
-  """`--from-hf`: writes WORKDIR/config.json, config.py, checkpoints/0 (and tokenizer.model)."""
+def import_run(hf_dir: str, workdir: str, *, trust_fields: tuple[str, ...] = (), verify: bool = False) -> dict[str, Any]:
+  """`--from-hf`: writes WORKDIR/config.json, config.py, checkpoints/0 (and the tokenizer).
+
+  Returns {"config", "notes" (lines for the user), "num_params", "error" (the --verify error, or
+  None)}. With `verify`, the HF and tfx models are compared before anything is written."""
   import jax  # noqa: PLC0415
 
   from tfx import checkpoint, config as config_lib, parallel  # noqa: PLC0415
@@ -41,12 +45,17 @@ def import_run(hf_dir: str, workdir: str) -> dict[str, Any]:
   from tfx.train import make_optimizer, state_shardings, TrainState  # noqa: PLC0415
 
   gcs.preflight(workdir)
-  config, params = from_hf(hf_dir)
+  imported = import_hf(hf_dir, trust_fields=trust_fields)
+  config, params = imported.config, imported.params
+  notes = imported.summary()
+  error = None
+  if verify:
+    error = _verify(hf_dir, imported.architecture, config, params)
+    notes.append(f"verify: max relative logit error {error:.2e} against {imported.architecture} (limit {LIMIT:.0e})")
   run = _absolute(workdir)
   run.mkdir(parents=True, exist_ok=True)
   if (run / "checkpoints").exists() and any((run / "checkpoints").iterdir()):
     raise ConvertError(f"{workdir}/checkpoints already has checkpoints; import into a new --workdir")
-  notes = []
   spiece = os.path.join(hf_dir, "spiece.model")
   if os.path.isfile(spiece):
     tok_path = run / "tokenizer.model"
@@ -76,8 +85,18 @@ def import_run(hf_dir: str, workdir: str) -> dict[str, Any]:
   mngr.close()
   (run / "config.json").write_text(config_lib.to_json(config))
   (run / "config.py").write_text(_CONFIG_PY.format(source=os.path.abspath(hf_dir)))
-  return {"config": config, "notes": notes, "num_params": sum(int(np.prod(np.shape(x))) for x in
-                                                             _flatten(params).values())}
+  return {"config": config, "notes": notes, "error": error,
+          "num_params": sum(int(np.prod(np.shape(x))) for x in _flatten(params).values())}
+
+
+def _verify(hf_dir: str, arch: str, config, params) -> float:
+  """The --verify error; raises ConvertError above LIMIT (before the import writes anything)."""
+  error = verify(hf_dir, arch, config, params)
+  if not error <= LIMIT:
+    raise ConvertError(f"--verify: the tfx model's logits differ from {arch}'s in {hf_dir} by {error:.2e} of the "
+                       f"largest logit (limit {LIMIT:.0e}): the conversion is wrong for this checkpoint; please "
+                       "report it with the config.json")
+  return error
 
 
 _CONFIG_PY = '''"""A model imported from {source} by `python -m tfx.convert --from-hf`.
@@ -139,10 +158,16 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--workdir", required=True, help="tfx run directory (written by --from-hf, read by --to-hf)")
   parser.add_argument("--architecture", choices=ARCHITECTURES, help="--to-hf: HF class (default: from the family)")
   parser.add_argument("--step", type=int, help="--to-hf: checkpoint step (default: the latest)")
+  parser.add_argument("--verify", action="store_true",
+                      help=f"run HF (needs torch + transformers) and tfx on a random padded batch; fail if their "
+                           f"logits differ by more than {LIMIT:.0e} of the largest")
+  parser.add_argument("--trust-field", action="append", default=[], metavar="FIELD",
+                      help="--from-hf: a config.json field tfx has not audited that you know does not change the "
+                           "model (repeatable)")
   args = parser.parse_args(argv)
   try:
     if args.from_hf:
-      out = import_run(args.from_hf, args.workdir)
+      out = import_run(args.from_hf, args.workdir, trust_fields=tuple(args.trust_field), verify=args.verify)
       c = out["config"]
       print(f"tfx.convert: {args.from_hf} -> {args.workdir}: {c.model.family} ({out['num_params']:,} parameters), "
             f"checkpoint at step 0, config.json + config.py")
@@ -155,6 +180,9 @@ def main(argv: list[str] | None = None) -> None:
       arch = to_hf(config, params, args.to_hf, architecture=args.architecture, special_ids=ids)
       print(f"tfx.convert: {args.workdir} -> {args.to_hf} ({arch}); load it with "
             f"transformers.{arch}.from_pretrained({args.to_hf!r})")
+      if args.verify:
+        error = _verify(args.to_hf, arch, config, _to_numpy(params))
+        print(f"  verify: max relative logit error {error:.2e} against the exported {arch} (limit {LIMIT:.0e})")
   except UserError as e:
     sys.exit(f"tfx.convert: {e}")
 
