@@ -169,3 +169,20 @@ def test_verify_without_torch_says_what_to_install(tmp_path, monkeypatch):
   monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
   with pytest.raises(convert.ConvertError, match="pip install torch"):
     convert.verify(src, "GPT2LMHeadModel", config, params)
+
+
+def test_sharded_safetensors_import_like_one_file(tmp_path):
+  from safetensors.numpy import save_file
+
+  src, _, params = _checkpoint(tmp_path, "T5ForConditionalGeneration", tied=False)
+  tensors = _load_tensors(src)
+  names = sorted(tensors)
+  shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+  for file, keys in shards.items():
+    save_file({k: tensors[k] for k in keys}, os.path.join(src, file))
+  with open(os.path.join(src, "model.safetensors.index.json"), "w") as f:
+    json.dump({"weight_map": {k: file for file, keys in shards.items() for k in keys}}, f)
+  os.remove(os.path.join(src, "model.safetensors"))
+  got = _flatten(convert.from_hf(src)[1])
+  for k, v in _flatten(params).items():
+    np.testing.assert_array_equal(got[k], v, err_msg=k)

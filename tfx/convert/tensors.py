@@ -58,9 +58,15 @@ def _load_tensors(path: str) -> dict[str, np.ndarray]:
     for name in files:
       tensors.update(_read_safetensors(os.path.join(path, name)))
     return tensors
-  extra = " (it has pytorch_model.bin: re-save it with save_pretrained(..., safe_serialization=True))" \
-      if os.path.isfile(os.path.join(path, "pytorch_model.bin")) else ""
-  raise ConvertError(f"{path} has no model.safetensors{extra}")
+  others = [f for f in ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
+            if os.path.isfile(os.path.join(path, f))]
+  if others:
+    raise ConvertError(
+        f"{path} has {others[0]} but no model.safetensors. tfx reads only safetensors (a .bin is a pickle, which "
+        "can run code when loaded). If you trust the checkpoint, convert it once with transformers: "
+        f"AutoModelForMaskedLM / AutoModelForCausalLM / AutoModelForSeq2SeqLM .from_pretrained({path!r})"
+        ".save_pretrained(NEW_DIR) writes model.safetensors (safe_serialization is the default)")
+  raise ConvertError(f"{path} has no model.safetensors (nor model.safetensors.index.json)")
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
