@@ -15,7 +15,7 @@ import pytest
 
 from tfx import convert
 from tfx.convert import audit
-from tfx.convert.configs import _tfx_config
+from tfx.convert.hf_import import _tfx_config
 from tfx.convert.tensors import _flatten, _load_tensors
 from tfx.models import build_model
 

@@ -30,18 +30,21 @@ split out ([e, h, d] for query/key/value, [h, d, e] for the attention output). P
 stacked along a leading `layers` axis when `model.scan_layers=True` (the default, as native
 tfx models), or stored per layer (`<stack>/layer_{i}/...`) otherwise.
 
-The package, one module per concern: `layouts` (tensor rules and the BERT / GPT-2 / T5 layouts),
-`configs` (config.json <-> tfx config), `audit` (every config.json field: mapped, refused, or
-known not to matter), `tensors` (safetensors reading, flat trees), `xlnet`, `hf_import`
-(`from_hf`, `import_hf` with the account of every tensor and field), `export` (`to_hf`), `verify`
-(HF vs tfx logits, `--verify`), `run` (the command line: `import_run`, `main`).
+The package: one module per family, each holding its tensor layout and its config.json mapping
+in both directions (`bert` for BERT and RoBERTa, `gpt2`, `t5` with T5's tokenizer, `xlnet`); the
+shared pieces (`layouts`: tensor rules and the layout machinery; `configs`: configs/base.py,
+activations, architecture detection; `tensors`: safetensors reading, flat trees); `audit` (every
+config.json field: mapped, refused, or known not to matter); `hf_import` (`from_hf`, `import_hf`
+with the account of every tensor and field); `export` (`to_hf`); `verify` (HF vs tfx logits,
+`--verify`); `run` (the command line: `import_run`, `main`).
 
 Nothing imports silently wrong: a checkpoint tensor that is neither mapped nor known-unused, a
 config.json field that is not audited, or a field value tfx cannot represent fails the import
 with its name.
 """
 
-from tfx.convert.export import t5_tokenizer_proto, to_hf
+from tfx.convert.export import to_hf
+from tfx.convert.t5 import t5_tokenizer_proto
 from tfx.convert.hf_import import Imported, from_hf, import_hf
 from tfx.convert.layouts import ARCHITECTURES, MODEL_FIELDS, ConvertError
 from tfx.convert.run import _load_params, import_run, main

@@ -5,7 +5,7 @@ An import reads only the fields it maps; a field that it does not read but that 
 model (`position_embedding_type="relative_key"`, `scale_attn_by_inverse_layer_idx=True`, pruned
 heads) would make the import silently wrong. So each architecture's fields are listed here:
 
-- `MAPPED`: read into the tfx config (tfx/convert/configs.py, xlnet.py);
+- `MAPPED`: read into the tfx config (the family modules: bert.py, gpt2.py, t5.py, xlnet.py);
 - `_Require(test, supported)`: changes the function; tfx supports only the values that pass
   `test` (an absent field means HF's default, which always passes), and refuses the others;
 - `_Ignore(reason)`: does not change the logits (generation settings, classification heads,

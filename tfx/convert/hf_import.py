@@ -16,10 +16,9 @@ import os
 import ml_collections
 import numpy as np
 
-from tfx.convert import audit
-from tfx.convert.configs import _architecture, _resolve_t5_tying, _tfx_config
-from tfx.convert.layouts import Arrays, ConvertError, _Layout, _bert_layout, _gpt2_layout, _layout_params, \
-    _roberta_offset, _t5_layout
+from tfx.convert import audit, bert, gpt2, t5
+from tfx.convert.configs import _architecture, _base_config
+from tfx.convert.layouts import Arrays, ConvertError, _Layout, _layout_params
 from tfx.convert.tensors import _load_tensors
 from tfx.convert.xlnet import XLNET, _check_shapes, _is_xlnet, _xlnet_from_hf, _xlnet_layout
 
@@ -28,13 +27,28 @@ def _layout(arch: str, m, hf_cfg: dict) -> _Layout:
   if arch == XLNET:
     return _xlnet_layout(m)
   if arch == "BertForMaskedLM":
-    return _bert_layout(m, "bert", "cls", 0)
+    return bert._bert_layout(m, "bert", "cls", 0)
   if arch == "RobertaForMaskedLM":
-    return _bert_layout(m, "roberta", "lm_head", _roberta_offset(hf_cfg))
+    return bert._bert_layout(m, "roberta", "lm_head", bert._roberta_offset(hf_cfg))
   if arch == "GPT2LMHeadModel":
-    return _gpt2_layout(m)
+    return gpt2._gpt2_layout(m)
   scale = m.d_model**-0.5 if hf_cfg.get("scale_decoder_outputs", False) and not m.tie_embeddings else 1.0
-  return _t5_layout(m, scale)
+  return t5._t5_layout(m, scale)
+
+
+def _tfx_config(arch: str, hf: dict) -> ml_collections.ConfigDict:
+  """The tfx config (configs/base.py + the HF architecture) of an HF config.json whose fields
+  `audit.audit` has checked (the values it refuses are not looked at here)."""
+  c = _base_config()
+  m = c.model
+  m.dropout = 0.0
+  m.attention_dropout = 0.0
+  m.scan_layers = True
+  family = {"BertForMaskedLM": bert, "RobertaForMaskedLM": bert, "GPT2LMHeadModel": gpt2,
+            "T5ForConditionalGeneration": t5}[arch]
+  family.config_from_hf(c, arch, hf)
+  c.data.vocab_size = int(hf["vocab_size"])
+  return c
 
 
 @dataclasses.dataclass
@@ -112,7 +126,7 @@ def import_hf(path: str, *, scan_layers: bool = True, trust_fields: tuple[str, .
   config = _tfx_config(arch, hf_cfg)
   config.model.scan_layers = scan_layers
   if arch == "T5ForConditionalGeneration":
-    _resolve_t5_tying(config, hf_cfg, tensors)
+    t5._resolve_t5_tying(config, hf_cfg, tensors)
   # A one-row token-type table is a constant vector: fold it into the position table.
   fold_types = config.model.type_vocab_size == 1
   if fold_types:

@@ -18,7 +18,8 @@ from tfx.errors import UserError
 from tfx.convert.layouts import ARCHITECTURES, ConvertError
 from tfx.convert.tensors import _flatten
 from tfx.convert.hf_import import import_hf
-from tfx.convert.export import _to_numpy, t5_tokenizer_proto, to_hf
+from tfx.convert.export import _to_numpy, to_hf
+from tfx.convert.t5 import t5_tokenizer_proto
 from tfx.convert.verify import LIMIT, verify
 
 
