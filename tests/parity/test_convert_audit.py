@@ -86,3 +86,14 @@ def test_cli_verify_fails_before_writing_anything(tmp_path, monkeypatch, capsys)
     convert.main(["--from-hf", src, "--workdir", str(tmp_path / "bad"), "--verify"])
   assert not (tmp_path / "bad" / "checkpoints").exists()
   assert not (tmp_path / "bad" / "config.json").exists()
+
+
+def test_untied_xlnet_is_refused_not_imported_wrong(tmp_path):
+  """tfx's xlnet head is tied; an XLNet saved with its own lm_loss.weight fails by name."""
+  torch.manual_seed(0)
+  hf = _perturbed(transformers.XLNetLMHeadModel(transformers.XLNetConfig(
+      vocab_size=60, d_model=32, n_layer=1, n_head=4, d_inner=64, tie_word_embeddings=False)).eval())
+  src = os.path.join(str(tmp_path), "xlnet")
+  hf.save_pretrained(src)
+  with pytest.raises(convert.ConvertError, match="lm_loss.weight"):
+    convert.from_hf(src)
