@@ -16,6 +16,12 @@ The tokenizer is a unigram SentencePiece model set up for source code and prose:
 
 Objectives ask a :class:`Tokenizer` for these ids by name (``tok.mask_id``,
 ``tok.sentinel_ids``); nothing else hard-codes them.
+
+Hugging Face tokenizers (WordPiece ``vocab.txt``, byte-level BPE ``vocab.json`` + ``merges.txt``,
+``tokenizer.json``) are the second backend, :class:`tfx.data.hf_tokenizer.HFTokenizer`, with the same
+interface. :func:`load_tokenizer` (a path) and :func:`tokenizer_from_bytes` (a saved form, e.g. sent
+to a worker process) pick the backend; ``tokenizer.filename`` is the name a run or a store saves
+``tokenizer.model_proto`` under (``tokenizer.model`` / ``tokenizer.hf.json``).
 """
 
 from __future__ import annotations
@@ -23,11 +29,14 @@ from __future__ import annotations
 import io
 import os
 import time
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence, Union
 
 import numpy as np
 import sentencepiece as spm
+from etils import epath
 
+from tfx.data import hf_tokenizer
+from tfx.data.hf_tokenizer import HFTokenizer
 from tfx.data.sources import Corpus
 
 PAD, EOS, UNK, BOS = "<pad>", "</s>", "<unk>", "<s>"
@@ -37,6 +46,9 @@ NEWLINE = "\n"
 NUM_SENTINELS = 100
 WORD_START = "\u2581"  # "▁", SentencePiece's whitespace marker.
 TOKENIZER_FILENAME = "tokenizer.model"
+# The names a run directory or a store keeps its tokenizer under (SentencePiece, Hugging Face).
+SAVED_FILENAMES = (TOKENIZER_FILENAME, hf_tokenizer.FILENAME)
+SENTENCEPIECE_IN_DIRECTORY = (TOKENIZER_FILENAME, "spiece.model")
 DEFAULT_MAX_TRAIN_BYTES = 2_000_000
 
 
@@ -52,6 +64,8 @@ def reserved_piece_count(num_sentinels: int = NUM_SENTINELS) -> int:
 
 class Tokenizer:
   """A loaded SentencePiece model with special ids looked up by name."""
+
+  filename = TOKENIZER_FILENAME  # the name it is saved under in a run directory or a store
 
   def __init__(self, model_proto: bytes, path: str | None = None):
     """Wraps a serialized SentencePiece model.
@@ -276,6 +290,84 @@ class Tokenizer:
     return f"Tokenizer(vocab_size={self.vocab_size}, path={self.path!r})"
 
 
+AnyTokenizer = Union[Tokenizer, HFTokenizer]
+KINDS = f"a SentencePiece .model (or a directory with tokenizer.model / spiece.model), or a Hugging Face {hf_tokenizer.KINDS}"
+
+
+# ------------------------------------------------------------ either backend
+
+
+def load_tokenizer(path: str) -> AnyTokenizer:
+  """Loads the tokenizer at ``path`` (local or gs://), SentencePiece or Hugging Face.
+
+  - a Hugging Face ``tokenizer.json``, ``vocab.txt``, ``vocab.json`` (``merges.txt`` beside it) or
+    tfx's ``tokenizer.hf.json``: :meth:`HFTokenizer.load`;
+  - a directory: its ``tokenizer.hf.json``, ``tokenizer.json``, ``vocab.txt`` or ``vocab.json`` (in
+    that order), else its ``tokenizer.model`` or ``spiece.model`` (SentencePiece);
+  - any other file: a SentencePiece model.
+
+  Raises:
+      FileNotFoundError: ``path`` does not exist, or a ``vocab.json`` has no ``merges.txt``.
+      ValueError: ``path`` is no tokenizer of these kinds; the message lists them.
+  """
+  if hf_tokenizer.resolve(path) is not None:
+    return HFTokenizer.load(path)
+  p = epath.Path(path)
+  if p.is_dir():
+    for name in SENTENCEPIECE_IN_DIRECTORY:
+      if (p / name).is_file():
+        return Tokenizer.load(str(p / name))
+    names = sorted(child.name for child in p.iterdir())
+    raise ValueError(f"directory {path} holds no tokenizer (it has {', '.join(names[:12]) or 'nothing'}"
+                     f"{', ...' if len(names) > 12 else ''}); expected {KINDS}")
+  try:
+    return Tokenizer.load(path)
+  except ValueError as e:
+    raise ValueError(f"{path} is neither a SentencePiece model ({e.__cause__ or e}) nor a Hugging Face tokenizer "
+                     f"file; expected {KINDS}") from e
+
+
+def tokenizer_from_bytes(blob: bytes, path: str | None = None) -> AnyTokenizer:
+  """Rebuilds a tokenizer from its ``model_proto`` (a saved form): JSON is the Hugging Face backend's
+  ``tokenizer.hf.json`` (or a plain ``tokenizer.json``), anything else a SentencePiece model.
+
+  Raises:
+      ValueError: the bytes are neither.
+  """
+  if bytes(blob[:1]) == b"{":  # a serialized SentencePiece model starts with 0x0a (field 1, a piece)
+    return HFTokenizer.from_bytes(blob, path=path)
+  try:
+    return Tokenizer(blob, path=path)
+  except Exception as e:  # sentencepiece raises RuntimeError / OSError.
+    raise ValueError(f"{path or 'the tokenizer bytes'} is not a tokenizer ({e}); expected {KINDS}") from e
+
+
+def saved_tokenizer(directory: str | os.PathLike) -> epath.Path | None:
+  """The tokenizer a run directory or a store keeps (``tokenizer.model`` or ``tokenizer.hf.json``),
+  or ``None``."""
+  for name in SAVED_FILENAMES:
+    path = epath.Path(directory) / name
+    if path.exists():
+      return path
+  return None
+
+
+def fit_vocab_size(tokenizer: AnyTokenizer, vocab_size: int) -> AnyTokenizer:
+  """The tokenizer a model of ``data.vocab_size`` embedding rows is built with.
+
+  A SentencePiece model is returned as it is (its pieces are the rows). A Hugging Face tokenizer is
+  padded to ``vocab_size`` rows (checkpoints often round their embedding up, e.g. to a multiple of
+  128; the extra ids are never produced).
+
+  Raises:
+      ValueError: the Hugging Face tokenizer has more ids than ``vocab_size``; the message says what
+          to set.
+  """
+  if isinstance(tokenizer, HFTokenizer):
+    return tokenizer.with_vocab_size(int(vocab_size))
+  return tokenizer
+
+
 def build_tokenizer(
     tokenizer_path: str,
     corpus: Corpus,
@@ -284,10 +376,10 @@ def build_tokenizer(
     *,
     seed: int = 0,
     max_bytes: int = DEFAULT_MAX_TRAIN_BYTES,
-) -> Tokenizer:
+) -> AnyTokenizer:
   """Loads or trains the run's tokenizer.
 
-  1. ``tokenizer_path`` non-empty: load it (``data.tokenizer``).
+  1. ``tokenizer_path`` non-empty: load it (``data.tokenizer``, see :func:`load_tokenizer`).
   2. Else ``WORKDIR/tokenizer.model`` exists: load it (resuming a run).
   3. Else train on ``corpus`` and save to ``WORKDIR/tokenizer.model`` (kept in
      memory only if ``workdir`` is None).
@@ -308,7 +400,7 @@ def build_tokenizer(
       ``vocab_size``; the caller decides whether that is an error.
   """
   if tokenizer_path:
-    return Tokenizer.load(tokenizer_path)
+    return load_tokenizer(tokenizer_path)
   if workdir is None:
     return Tokenizer.train(corpus.documents, vocab_size, None, seed=seed, max_bytes=max_bytes)
 
