@@ -147,9 +147,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.source = "stdlib"
   # Tokens per training row (the model's sequence length).
   c.data.seq_len = 128
-  # Tokenizer vocabulary size when tfx trains the tokenizer.
+  # Tokenizer vocabulary size when tfx trains the tokenizer. With a Hugging Face tokenizer it is the
+  # model's embedding rows: at least the tokenizer's ids (largest id + 1), more pads the table.
+  # (With a given sentencepiece model it is unused: the model's pieces are the rows.)
   c.data.vocab_size = 8000
-  # Path of a sentencepiece model; '' = train one on the corpus and save it to the workdir.
+  # '' = train a sentencepiece model on the corpus and save it to the workdir; or the path of a
+  # sentencepiece .model, or of a Hugging Face tokenizer: tokenizer.json, vocab.txt (WordPiece),
+  # vocab.json with merges.txt beside it (byte-level BPE), or a directory holding one of these.
   c.data.tokenizer = ""
   # JSON field or dataset column that holds the text.
   c.data.text_field = "text"

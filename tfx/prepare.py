@@ -19,8 +19,9 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--config", required=True, help="config file whose data section to prepare")
   parser.add_argument("--out", required=True, help="store directory (local or gs://)")
   parser.add_argument("--workers", type=int, default=0, help="tokenizing processes (default: all cores)")
-  parser.add_argument("--tokenizer", default="", help="a SentencePiece model to use (default: data.tokenizer, "
-                      "or train one on a sample of the source)")
+  parser.add_argument("--tokenizer", default="", help="a tokenizer to use: a SentencePiece .model, or a Hugging "
+                      "Face tokenizer.json / vocab.txt / vocab.json (merges.txt beside it) / directory (default: "
+                      "data.tokenizer, or train a SentencePiece model on a sample of the source)")
   parser.add_argument("--quiet", action="store_true", help="no progress bar")
   args, overrides = parser.parse_known_args(argv)
   try:

@@ -373,7 +373,7 @@ def load_trained(workdir: str, step: int | None = None):
   Uses WORKDIR/config.json, the run's tokenizer and the latest (or given) checkpoint, placed
   on a mesh of all local devices (data parallel).
   """
-  from tfx.data import Tokenizer
+  from tfx.data.tokenizer import fit_vocab_size, load_tokenizer, saved_tokenizer
 
   load_builtins()
   gcs.preflight(workdir)
@@ -381,10 +381,14 @@ def load_trained(workdir: str, step: int | None = None):
   if not path.exists():
     raise UserError(f"{workdir} is not a tfx run: it has no config.json (train one with python -m tfx.train)")
   config = config_lib.from_json(path.read_text())
-  tok_path = epath.Path(config.data.tokenizer or epath.Path(workdir) / "tokenizer.model")
-  if not tok_path.exists():
-    raise UserError(f"tokenizer {tok_path} not found; the run's tokenizer is needed to encode prompts")
-  tokenizer = Tokenizer(tok_path.read_bytes(), path=str(tok_path))
+  tok_path = config.data.tokenizer or saved_tokenizer(workdir)
+  if not tok_path or not epath.Path(tok_path).exists():
+    raise UserError(f"tokenizer {tok_path or epath.Path(workdir) / 'tokenizer.model'} not found; the run's tokenizer "
+                    f"is needed to encode prompts")
+  try:
+    tokenizer = fit_vocab_size(load_tokenizer(str(tok_path)), config.data.vocab_size)
+  except (ValueError, FileNotFoundError) as e:
+    raise UserError(str(e)) from e
   model = build_model(config.model, vocab_size=tokenizer.vocab_size, max_length=config.data.seq_len)
   tx, _ = make_optimizer(config)
   with config.unlocked():

@@ -35,7 +35,7 @@ import numpy as np
 from tfx.data.sources import Corpus
 from tfx.data.packing import _flatten, heldout_mask, host_slice, pack_stream, pack_streams
 from tfx.data.store import MemorySplit
-from tfx.data.tokenizer import Tokenizer
+from tfx.data.tokenizer import AnyTokenizer
 
 Batch = dict[str, np.ndarray]
 __all__ = ["DataPipeline", "heldout_mask", "host_slice", "pack_stream", "pack_streams", "tokenize_corpus"]
@@ -46,7 +46,7 @@ _ENCODE_CHUNK = 256
 # -------------------------------------------------------------------- tokenizing
 
 
-def tokenize_corpus(tokenizer: Tokenizer, corpus: Corpus, *,
+def tokenize_corpus(tokenizer: AnyTokenizer, corpus: Corpus, *,
                     cache_dir: str | None = None) -> list[np.ndarray]:
   """Encodes every document of a corpus (no BOS/EOS added).
 
@@ -79,7 +79,7 @@ def tokenize_corpus(tokenizer: Tokenizer, corpus: Corpus, *,
   return documents_tokens
 
 
-def _corpus_key(tokenizer: Tokenizer, corpus: Corpus) -> str:
+def _corpus_key(tokenizer: AnyTokenizer, corpus: Corpus) -> str:
   digest = hashlib.sha256(tokenizer.model_proto)
   for document in corpus.documents:
     encoded = document.encode("utf-8")
@@ -253,7 +253,7 @@ class DataPipeline:
     self._lock = threading.Lock()
 
   @classmethod
-  def from_config(cls, data_cfg: Any, tokenizer: Tokenizer, corpus: Corpus, *,
+  def from_config(cls, data_cfg: Any, tokenizer: AnyTokenizer, corpus: Corpus, *,
                   cache_dir: str | None = None, **kwargs) -> "DataPipeline":
     """Tokenizes an in-memory corpus and builds the pipeline from ``config.data``.
 

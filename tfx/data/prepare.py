@@ -29,7 +29,7 @@ from etils import epath
 
 from tfx.data import sources, store
 from tfx.data.packing import document_hashes, heldout_by_hash
-from tfx.data.tokenizer import Tokenizer, sample_lines
+from tfx.data.tokenizer import AnyTokenizer, Tokenizer, load_tokenizer, sample_lines, saved_tokenizer, tokenizer_from_bytes
 
 PREPARED = "prepared:"
 DEFAULT_SAMPLE_BYTES = 2_000_000
@@ -75,7 +75,7 @@ _WORKER: dict[str, Any] = {}
 
 
 def _init_worker(model_proto: bytes) -> None:
-  _WORKER["tokenizer"] = Tokenizer(model_proto)
+  _WORKER["tokenizer"] = tokenizer_from_bytes(model_proto)
 
 
 def _encode(texts: list[str]) -> list[np.ndarray]:
@@ -179,15 +179,16 @@ def _shards(documents: Iterator[tuple[str, str]], shard_bytes: int,
 
 
 def resolve_tokenizer(data_cfg, directory: epath.Path, spec: Spec, *, seed: int = 0,
-                      tokenizer_path: str = "", log=None) -> Tokenizer:
-  """The store's tokenizer: ``tokenizer_path`` (or ``data.tokenizer``), the one the store
-  already has, or one trained on a sample of the source; a copy is kept in the store."""
-  target = directory / store.TOKENIZER
+                      tokenizer_path: str = "", log=None) -> AnyTokenizer:
+  """The store's tokenizer: ``tokenizer_path`` (or ``data.tokenizer``; SentencePiece or Hugging Face,
+  see :func:`tfx.data.tokenizer.load_tokenizer`), the one the store already has, or a SentencePiece
+  model trained on a sample of the source; a copy is kept in the store as ``tokenizer.filename``."""
+  existing = saved_tokenizer(directory)
   path = tokenizer_path or data_cfg.tokenizer
   if path:
-    tokenizer = Tokenizer.load(path)
-  elif target.exists():
-    return Tokenizer(target.read_bytes(), path=str(target))
+    tokenizer = load_tokenizer(path)
+  elif existing is not None:
+    return tokenizer_from_bytes(existing.read_bytes(), path=str(existing))
   else:
     max_bytes = tokenizer_sample_bytes(data_cfg)
     if spec.source.startswith("hf:"):  # one pass only: the first documents of the stream
@@ -201,13 +202,14 @@ def resolve_tokenizer(data_cfg, directory: epath.Path, spec: Spec, *, seed: int 
                                    spec.max_documents))
     tokenizer = Tokenizer.train_on_lines(sample_lines(docs, total, max_bytes), int(data_cfg.vocab_size), None,
                                          seed=seed)
-  if not target.exists() or target.read_bytes() != tokenizer.model_proto:
-    if target.exists():
-      raise store.StoreError(
-          f"token store {directory} was made with another tokenizer than {path}; use another --out, "
-          f"or delete {directory} to prepare it again")
+  target = directory / tokenizer.filename
+  if existing is not None and existing.read_bytes() != tokenizer.model_proto:
+    raise store.StoreError(
+        f"token store {directory} was made with another tokenizer than {path}; use another --out, "
+        f"or delete {directory} to prepare it again")
+  if existing is None:
     store.write_atomic(target, tokenizer.model_proto)
-  return Tokenizer(tokenizer.model_proto, path=str(target))
+  return tokenizer_from_bytes(tokenizer.model_proto, path=str(target))
 
 
 def _limited(documents, max_documents: int):
@@ -227,7 +229,8 @@ def prepare(data_cfg, out: str | epath.Path, *, seed: int = 0, workers: int = 0,
       out: the store directory, local or ``gs://``.
       seed: the tokenizer training seed.
       workers: tokenizing processes (0 = all cores).
-      tokenizer_path: a SentencePiece model to use instead of ``data.tokenizer``.
+      tokenizer_path: a tokenizer to use instead of ``data.tokenizer`` (a SentencePiece model or a
+          Hugging Face tokenizer, see :func:`tfx.data.tokenizer.load_tokenizer`).
       progress: print a progress bar to stderr.
 
   Raises:
@@ -267,7 +270,7 @@ def _check_same_spec(manifest: dict, spec: Spec, directory: epath.Path) -> None:
                            f"use another --out, or delete {directory} to prepare it again")
 
 
-def _write_store(directory: epath.Path, spec: Spec, tokenizer: Tokenizer, workers: int, log) -> dict:
+def _write_store(directory: epath.Path, spec: Spec, tokenizer: AnyTokenizer, workers: int, log) -> dict:
   dtype = store.token_dtype(tokenizer.vocab_size).str
   skipped: collections.Counter = collections.Counter()
   documents = sources.iter_documents(spec.source, text_field=spec.text_field, skipped=skipped, streaming=True)
@@ -343,14 +346,14 @@ def _hold_out_one(directory, spec, shards, dtype, shard_bytes) -> list[dict]:
   raise store.StoreError(f"data source {spec.source!r} changed while it was being prepared; run again")
 
 
-def _manifest(spec: Spec, tokenizer: Tokenizer, dtype: str, shards: list[dict], skipped: dict) -> dict:
+def _manifest(spec: Spec, tokenizer: AnyTokenizer, dtype: str, shards: list[dict], skipped: dict) -> dict:
   tokenizer_sha = store.sha256_bytes(tokenizer.model_proto)
   splits = {split: {"documents": sum(s[split]["documents"] for s in shards),
                     "tokens": sum(s[split]["tokens"] for s in shards)} for split in store.SPLITS}
   return {
       "format": store.FORMAT, "version": store.VERSION,
       "sources": [spec.as_source()],
-      "tokenizer": {"file": store.TOKENIZER, "sha256": tokenizer_sha, "vocab_size": tokenizer.vocab_size},
+      "tokenizer": {"file": tokenizer.filename, "sha256": tokenizer_sha, "vocab_size": tokenizer.vocab_size},
       "token_dtype": dtype,
       "eval_fraction": spec.eval_fraction,
       "split_rule": "document i is held out when splitmix64(i) < eval_fraction * 2**64 (i = index in the source)",

@@ -3,7 +3,8 @@
 A store is a directory (an ``etils.epath`` path, so ``gs://bucket/path`` works too):
 
     DIR/manifest.json                   written last: its presence means the store is complete
-    DIR/tokenizer.model                 the SentencePiece model the tokens were made with
+    DIR/tokenizer.model                 the tokenizer the tokens were made with: a SentencePiece model, or
+                                        tokenizer.hf.json for a Hugging Face one (manifest["tokenizer"]["file"])
     DIR/shard-00000.json                a shard's record, written after its data (the commit mark)
     DIR/shard-00000.train.tokens        uint16 (vocab <= 65536) or uint32, little-endian, flat
     DIR/shard-00000.train.offsets       int64 [documents + 1]: document d is tokens[o[d]:o[d+1]]
@@ -37,7 +38,7 @@ from etils import epath
 FORMAT = "tfx-token-store"
 VERSION = 1
 MANIFEST = "manifest.json"
-TOKENIZER = "tokenizer.model"
+TOKENIZER = "tokenizer.model"  # the tokenizer's file when the manifest does not name it
 SPLITS = ("train", "eval")
 OFFSET_DTYPE = np.dtype("<i8")
 

@@ -3,7 +3,8 @@
 ``data.source = "prepared:DIR"`` reads a store made by ``python -m tfx.prepare``; a raw source
 (``stdlib``, ``text:GLOB``, ``hf:NAME``) is prepared first into ``WORKDIR/data/<key>`` (process 0
 prepares, the other hosts wait and then read it), so a resume never tokenizes again. The run's
-tokenizer is the store's, copied to ``WORKDIR/tokenizer.model`` for ``tfx.generate``.
+tokenizer is the store's, copied to ``WORKDIR/<tokenizer.filename>`` (``tokenizer.model`` for
+SentencePiece, ``tokenizer.hf.json`` for a Hugging Face tokenizer) for ``tfx.generate``.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from etils import epath
 from tfx.data import store
 from tfx.data.pipeline import DataPipeline
 from tfx.data.prepare import PREPARED, prepare, store_key
-from tfx.data.tokenizer import TOKENIZER_FILENAME, Tokenizer
+from tfx.data.hf_tokenizer import HFTokenizer
+from tfx.data.tokenizer import AnyTokenizer, fit_vocab_size, load_tokenizer, saved_tokenizer, tokenizer_from_bytes
 
 
 @dataclasses.dataclass
 class TrainingData:
-  tokenizer: Tokenizer
+  tokenizer: AnyTokenizer  # a Hugging Face one padded to data.vocab_size rows (see fit_vocab_size)
   train: store.SplitReader
   heldout: store.SplitReader
   store_dir: epath.Path
@@ -61,31 +63,33 @@ def training_data(config, workdir, *, process_index: int = 0) -> TrainingData:
   d = config.data
   workdir = epath.Path(workdir)
   directory = store_dir(config, workdir)
-  own_tokenizer = workdir / TOKENIZER_FILENAME
+  own_tokenizer = saved_tokenizer(workdir)  # WORKDIR/tokenizer.model or tokenizer.hf.json, once written
   if not d.source.startswith(PREPARED):
     if process_index == 0:
-      reuse = d.tokenizer or (str(own_tokenizer) if own_tokenizer.exists() else "")
+      reuse = d.tokenizer or (str(own_tokenizer) if own_tokenizer else "")
       prepare(d, directory, seed=config.train.seed, workers=int(d.get("prepare_workers", 0)),
               tokenizer_path=reuse)
     _barrier("tfx-prepare")
   manifest, train, heldout = store.open_store(directory, verify=d.get("verify_store", "background"))
-  tokenizer = Tokenizer((directory / store.TOKENIZER).read_bytes(), path=str(directory / store.TOKENIZER))
+  store_tokenizer = directory / manifest["tokenizer"].get("file", store.TOKENIZER)
+  tokenizer = tokenizer_from_bytes(store_tokenizer.read_bytes(), path=str(store_tokenizer))
   recorded = manifest["tokenizer"]["sha256"]
   if store.sha256_bytes(tokenizer.model_proto) != recorded:
-    raise store.StoreError(f"{directory / store.TOKENIZER} does not match the tokenizer recorded in its manifest; "
+    raise store.StoreError(f"{store_tokenizer} does not match the tokenizer recorded in its manifest; "
                            f"the store is damaged: prepare it again")
-  if d.tokenizer and store.sha256_bytes(epath.Path(d.tokenizer).read_bytes()) != recorded:
+  if d.tokenizer and store.sha256_bytes(load_tokenizer(d.tokenizer).model_proto) != recorded:
     raise store.StoreError(
         f"data.tokenizer={d.tokenizer} is not the tokenizer the store {directory} was prepared with; set "
         f"data.tokenizer='' to use the store's, or prepare the store again with this tokenizer")
   vocab = manifest["tokenizer"]["vocab_size"]
-  if not d.tokenizer and vocab != d.vocab_size:
+  if not d.tokenizer and not isinstance(tokenizer, HFTokenizer) and vocab != d.vocab_size:
     raise store.StoreError(
-        f"the store {directory} was tokenized with a vocabulary of {vocab} (its tokenizer.model), but "
+        f"the store {directory} was tokenized with a vocabulary of {vocab} (its {store_tokenizer.name}), but "
         f"data.vocab_size={d.vocab_size}; set data.vocab_size={vocab}, or prepare a store with the vocabulary you "
         f"want (in a new --workdir when the run trained its own tokenizer)")
-  if process_index == 0 and not own_tokenizer.exists():
-    store.write_atomic(own_tokenizer, tokenizer.model_proto)
+  if process_index == 0 and own_tokenizer is None:
+    store.write_atomic(workdir / tokenizer.filename, tokenizer.model_proto)
+  tokenizer = fit_vocab_size(tokenizer, d.vocab_size)  # a Hugging Face tokenizer: data.vocab_size rows
   if tokenizer.eos_id is None:
     raise store.StoreError("the store's tokenizer has no '</s>' piece; the data pipeline needs an EOS id")
   identity = {"checksum": manifest.get("content_checksum", manifest["checksum"]), "sources": manifest["sources"], "store": str(directory),
