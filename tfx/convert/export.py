@@ -90,3 +90,23 @@ def _to_numpy(tree):
   return np.asarray(value, dtype=np.float32)
 
 
+
+
+def save_hf_tokenizer(tokenizer, path: str, max_length: int) -> bool:
+  """Writes an HF tokenizer (tfx.data.HFTokenizer) as transformers reads it: tokenizer.json,
+  special_tokens_map.json and tokenizer_config.json. Returns False (writes nothing) for a
+  SentencePiece tokenizer, which has no such form."""
+  from tfx.data.hf_tokenizer import HFTokenizer  # noqa: PLC0415
+
+  if not isinstance(tokenizer, HFTokenizer):
+    return False
+  roles = {f"{role}_token": token for role, token in tokenizer.special_tokens.items()}
+  os.makedirs(path, exist_ok=True)
+  with open(os.path.join(path, "tokenizer.json"), "w", encoding="utf-8") as f:
+    f.write(tokenizer.tokenizer.to_str())
+  with open(os.path.join(path, "special_tokens_map.json"), "w", encoding="utf-8") as f:
+    json.dump(roles, f, indent=2, ensure_ascii=False)
+  with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": int(max_length), **roles}, f,
+              indent=2, ensure_ascii=False)
+  return True

@@ -18,7 +18,7 @@ from tfx.errors import UserError
 from tfx.convert.layouts import ARCHITECTURES, ConvertError
 from tfx.convert.tensors import _flatten
 from tfx.convert.hf_import import import_hf
-from tfx.convert.export import _to_numpy, to_hf
+from tfx.convert.export import _to_numpy, save_hf_tokenizer, to_hf
 from tfx.convert.t5 import t5_tokenizer_proto
 from tfx.convert.verify import LIMIT, verify
 
@@ -57,18 +57,7 @@ def import_run(hf_dir: str, workdir: str, *, trust_fields: tuple[str, ...] = (),
   run.mkdir(parents=True, exist_ok=True)
   if (run / "checkpoints").exists() and any((run / "checkpoints").iterdir()):
     raise ConvertError(f"{workdir}/checkpoints already has checkpoints; import into a new --workdir")
-  spiece = os.path.join(hf_dir, "spiece.model")
-  if os.path.isfile(spiece):
-    tok_path = run / "tokenizer.model"
-    tok_path.write_bytes(t5_tokenizer_proto(spiece, config.data.vocab_size))
-    config.data.tokenizer = str(tok_path)
-    notes.append(f"tokenizer: {spiece} -> {tok_path} (sentinels <extra_id_k> at HF's ids)")
-  else:
-    config.data.tokenizer = str(run / "SET-data.tokenizer-TO-A-SENTENCEPIECE-MODEL")
-    notes.append(
-        f"tokenizer: {hf_dir} has no sentencepiece model (BERT/RoBERTa/GPT-2 use WordPiece/BPE tokenizers, which "
-        f"tfx does not read). Before training, set --config.data.tokenizer=PATH to a sentencepiece model whose ids "
-        f"match the checkpoint's {config.data.vocab_size} embedding rows.")
+  notes.append(_import_tokenizer(hf_dir, run, config))
 
   model = build_model(config.model, vocab_size=config.data.vocab_size, max_length=config.data.seq_len)
   tx, _ = make_optimizer(config)
@@ -88,6 +77,39 @@ def import_run(hf_dir: str, workdir: str, *, trust_fields: tuple[str, ...] = (),
   (run / "config.py").write_text(_CONFIG_PY.format(source=os.path.abspath(hf_dir)))
   return {"config": config, "notes": notes, "error": error,
           "num_params": sum(int(np.prod(np.shape(x))) for x in _flatten(params).values())}
+
+
+def _import_tokenizer(hf_dir: str, run: epath.Path, config) -> str:
+  """Copies the checkpoint's tokenizer into the run and points data.tokenizer at it; the note.
+
+  T5's spiece.model becomes a SentencePiece model with the sentinels at HF's ids; an HF tokenizer
+  (tokenizer.json, vocab.txt, vocab.json + merges.txt) is saved in tfx's form (tokenizer.hf.json,
+  with its special-token roles) and padded to the embedding rows."""
+  from tfx.data import hf_tokenizer  # noqa: PLC0415
+  from tfx.data.tokenizer import fit_vocab_size, load_tokenizer  # noqa: PLC0415
+
+  rows = config.data.vocab_size
+  spiece = os.path.join(hf_dir, "spiece.model")
+  if hf_tokenizer.resolve(hf_dir) is None and os.path.isfile(spiece):
+    tok_path = run / "tokenizer.model"
+    tok_path.write_bytes(t5_tokenizer_proto(spiece, rows))
+    config.data.tokenizer = str(tok_path)
+    return f"tokenizer: {spiece} -> {tok_path} (sentinels <extra_id_k> at HF's ids)"
+  if hf_tokenizer.resolve(hf_dir) is None:
+    config.data.tokenizer = str(run / "SET-data.tokenizer")
+    return (f"tokenizer: {hf_dir} has none (no tokenizer.json, vocab.txt, vocab.json + merges.txt or spiece.model). "
+            f"Before training, set --config.data.tokenizer=PATH to the tokenizer the checkpoint was trained with "
+            f"(an HF tokenizer directory or file, or a sentencepiece model; at most {rows} ids)")
+  try:
+    tok = fit_vocab_size(load_tokenizer(hf_dir), rows)
+  except (ValueError, FileNotFoundError) as e:
+    raise ConvertError(f"the tokenizer in {hf_dir} does not fit the checkpoint: {e}") from e
+  tok_path = run / tok.filename
+  tok_path.write_bytes(tok.model_proto)
+  config.data.tokenizer = str(tok_path)
+  roles = ", ".join(f"{k}={getattr(tok, f'{k}_id')}" for k in ("bos", "eos", "pad", "mask", "cls", "sep", "unk")
+                    if getattr(tok, f"{k}_id") is not None)
+  return f"tokenizer: {hf_dir} -> {tok_path} ({tok.num_ids} ids on {rows} embedding rows; {roles})"
 
 
 def _verify(hf_dir: str, arch: str, config, params) -> float:
@@ -119,9 +141,11 @@ def get_config():
 
 
 def _load_params(workdir: str, step: int | None):
-  """(config, params, special ids) of a run; works without a tokenizer (imported runs)."""
+  """(config, params, tokenizer or None) of a run; works without a tokenizer (imported runs whose
+  data.tokenizer was never set)."""
   from tfx import train  # noqa: PLC0415
   from tfx import checkpoint, config as config_lib, parallel  # noqa: PLC0415
+  from tfx.data.tokenizer import saved_tokenizer  # noqa: PLC0415
   from tfx.models import build_model  # noqa: PLC0415
   from tfx.registry import load_builtins  # noqa: PLC0415
 
@@ -130,11 +154,10 @@ def _load_params(workdir: str, step: int | None):
   if not path.is_file():
     raise ConvertError(f"{workdir} is not a tfx run: it has no config.json")
   config = config_lib.from_json(path.read_text())
-  tok = epath.Path(config.data.tokenizer or epath.Path(workdir) / "tokenizer.model")
-  if tok.is_file():
+  tok = config.data.tokenizer or saved_tokenizer(workdir)
+  if tok and epath.Path(tok).exists():
     config, tokenizer, _, params = train.load_trained(workdir, step)
-    ids = {k: getattr(tokenizer, f"{k}_id") for k in ("pad", "eos", "bos")}
-    return config, params, {k: v for k, v in ids.items() if v is not None}
+    return config, params, tokenizer
   load_builtins()
   model = build_model(config.model, vocab_size=config.data.vocab_size, max_length=config.data.seq_len)
   tx, _ = train.make_optimizer(config)
@@ -177,10 +200,17 @@ def main(argv: list[str] | None = None) -> None:
       print(f"  fine-tune: python -m tfx.train --config {args.workdir.rstrip('/')}/config.py "
             f"--workdir {args.workdir} --config.objective.name={c.objective.name} --config.train.steps=N")
     else:
-      config, params, ids = _load_params(args.workdir, args.step)
+      config, params, tokenizer = _load_params(args.workdir, args.step)
+      ids = None
+      if tokenizer is not None:
+        ids = {k: getattr(tokenizer, f"{k}_id") for k in ("pad", "eos", "bos")}
+        ids = {k: v for k, v in ids.items() if v is not None}
       arch = to_hf(config, params, args.to_hf, architecture=args.architecture, special_ids=ids)
       print(f"tfx.convert: {args.workdir} -> {args.to_hf} ({arch}); load it with "
             f"transformers.{arch}.from_pretrained({args.to_hf!r})")
+      if tokenizer is not None and save_hf_tokenizer(tokenizer, args.to_hf, config.data.seq_len):
+        print(f"  tokenizer: tokenizer.json + special_tokens_map.json + tokenizer_config.json "
+              f"(transformers.AutoTokenizer.from_pretrained({args.to_hf!r}))")
       if args.verify:
         error = _verify(args.to_hf, arch, config, _to_numpy(params))
         print(f"  verify: max relative logit error {error:.2e} against the exported {arch} (limit {LIMIT:.0e})")
