@@ -228,6 +228,19 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
 
+  # ---------------------------------------------------------------- log
+  c.log = ml_collections.ConfigDict()
+  # TensorBoard event files in WORKDIR/tb/ beside metrics.jsonl (process 0; `tensorboard --logdir
+  # WORKDIR/tb`, or a parent folder to compare runs). Same scalars as metrics.jsonl, named
+  # train/<key>, eval/<key>, perf/<key> (tokens_per_sec, mfu, seconds*) and <split>/<key>.
+  c.log.tensorboard = True
+  # Weights & Biases project for the same scalars ('' = off). Needs `pip install wandb` and a login
+  # (`wandb login`), or WANDB_MODE=offline. The run is named after the workdir and resumed by the
+  # id kept in WORKDIR/wandb_id.txt.
+  c.log.wandb_project = ""
+  # Weights & Biases entity (user or team; '' = your default entity).
+  c.log.wandb_entity = ""
+
   # ---------------------------------------------------------------- generation defaults
   c.generate = ml_collections.ConfigDict()
   # Tokens to generate after the prompt.

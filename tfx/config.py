@@ -261,6 +261,7 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int, process_cou
     problems.append(f"optim.learning_rate={o.learning_rate} must be positive")
   if o.warmup_steps < 0 or o.grad_clip < 0 or o.weight_decay < 0:
     problems.append("optim.warmup_steps, optim.grad_clip and optim.weight_decay must be >= 0")
+  problems.extend(_log_problems(config))
 
   try:
     data_ax, fsdp_ax, tensor_ax = resolve_mesh_shape(config.mesh, num_devices)
@@ -287,6 +288,20 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int, process_cou
 
   if problems:
     raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def _log_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """The `log` section: W&B asked for but not installed is refused before anything runs."""
+  import importlib.util
+
+  log = config.get("log")
+  if log is None or not log.get("wandb_project", ""):
+    return []
+  if importlib.util.find_spec("wandb") is None:
+    return [f"log.wandb_project={log.wandb_project!r} needs the wandb package, which is not installed: "
+            f"`pip install wandb` (then `wandb login`, or set WANDB_MODE=offline), or set "
+            f"--config.log.wandb_project='' to log to TensorBoard and metrics.jsonl only"]
+  return []
 
 
 def _divisors(n: int) -> list[int]:

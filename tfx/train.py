@@ -292,7 +292,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   exp = build(config, workdir)
   write_config(config, workdir)
   progress = Progress(t.steps)
-  writer = MetricsWriter(workdir)
+  writer = MetricsWriter(workdir, config=config)
   stats = exp.pipeline.stats
   progress.note(f"tfx: {config.model.family} + {config.objective.name} on {config.data.source}: "
                 f"{stats.get('train_documents', '?')} train / {stats.get('eval_documents', '?')} eval documents, "
@@ -363,7 +363,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       break
   mngr.wait_until_finished()
   mngr.close()
-  writer.flush()
+  writer.close()
   return {"step": step, "workdir": workdir, "state": state, "last_eval": eval_record, "experiment": exp}
 
 
