@@ -1,0 +1,134 @@
+"""tfx.sweep: a 2-arm x 2-seed sweep end to end (pretrain -> fine-tune -> report), the report's
+arithmetic against a direct computation, valid PNGs, and a killed sweep that completes only what
+is missing when run again."""
+
+import csv
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from tests.conftest import ROOT
+from tfx import sweep, sweep_report
+
+SWEEP_FILE = '''
+from tfx.sweep import Arm, Finetune, Sweep
+
+def get_sweep(smoke):
+  common = ("data.tokenizer={tokenizer}", "data.max_documents=60", "train.batch_size=4", "train.log_every=2",
+            "train.eval_every=3", "train.checkpoint_every=3", "data.eval_batches=1", "optim.warmup_steps=1")
+  return Sweep(name="tiny", config="configs/tiny.py", common=common,
+               arms=(Arm("causal", ("objective.name=causal_lm",)), Arm("prefix", ("objective.name=prefix_lm",))),
+               seeds=(0, 1), baseline="causal", match="tokens", budget=6 * 4 * 64,
+               finetune={finetune})
+'''
+
+FINETUNE = ('Finetune(task="stdlib:package", overrides=("finetune.steps=4", "finetune.batch_size=8", '
+            '"finetune.max_train_examples=64", "finetune.max_eval_examples=64", "finetune.eval_every=2"))')
+
+
+def _write(tmp_path, tokenizer: str, finetune: str = "None") -> str:
+  path = tmp_path / "sweep.py"
+  path.write_text(SWEEP_FILE.format(tokenizer=tokenizer, finetune=finetune))
+  return str(path)
+
+
+def test_mean_ci_and_p_value_match_a_direct_computation():
+  x, y = [0.61, 0.64, 0.58, 0.66], [0.55, 0.57, 0.52]
+  mean, half = sweep_report.mean_ci(x)
+  s = np.std(x, ddof=1)
+  assert mean == pytest.approx(np.mean(x)) and half == pytest.approx(stats.t.ppf(0.975, 3) * s / 2)
+  # Welch's t by hand
+  vx, vy = np.var(x, ddof=1) / 4, np.var(y, ddof=1) / 3
+  t = (np.mean(x) - np.mean(y)) / math.sqrt(vx + vy)
+  dof = (vx + vy) ** 2 / (vx**2 / 3 + vy**2 / 2)
+  assert sweep_report.p_value(x, y) == pytest.approx(2 * stats.t.sf(abs(t), dof))
+  assert math.isnan(sweep_report.mean_ci([1.0])[1]) and math.isnan(sweep_report.p_value([1.0], [2.0, 3.0]))
+
+
+def test_plan_matches_the_budget_and_refuses_bad_sweeps(tmp_path, shared_tokenizer):
+  s = sweep.load_sweep(_write(tmp_path, shared_tokenizer), smoke=True)
+  runs = sweep.plan(s, str(tmp_path / "w"))
+  assert [r.key for r in runs] == ["causal/0", "causal/1", "prefix/0", "prefix/1"]
+  assert all(r.steps * r.tokens_per_step == 6 * 4 * 64 for r in runs)
+  bad = tmp_path / "bad.py"
+  bad.write_text("from tfx.sweep import Arm, Sweep\ndef get_sweep(smoke):\n"
+                 "  return Sweep(name='x', arms=(Arm('a'), Arm('a')))\n")
+  with pytest.raises(sweep.UserError, match="unique"):
+    sweep.load_sweep(str(bad), smoke=True)
+
+
+def _png_ok(path: str) -> None:
+  import matplotlib.image
+
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  assert matplotlib.image.imread(path).ndim == 3
+
+
+@pytest.mark.slow
+def test_a_sweep_end_to_end_and_a_killed_sweep_completes_what_is_missing(tmp_path, shared_tokenizer):
+  sweep_file = _write(tmp_path, shared_tokenizer, FINETUNE)
+  workdir = str(tmp_path / "w")
+  # Killed: a subprocess runs the sweep and is killed once the first run is complete.
+  proc = subprocess.Popen([sys.executable, "-m", "tfx.sweep", sweep_file, "--workdir", workdir], cwd=ROOT,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  first = os.path.join(workdir, "causal", "seed_0", sweep.RUN_FILE)
+  deadline = time.time() + 600  # guards a hang only
+  while not os.path.exists(first) and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.5)
+  proc.kill()
+  proc.wait()
+  assert os.path.exists(first)
+  first_record = open(first).read()
+
+  sweep.main([sweep_file, "--workdir", workdir])
+  assert open(first).read() == first_record  # not run again
+  s = sweep.load_sweep(sweep_file, smoke=False)
+  runs = sweep.plan(s, workdir)
+  assert {r.key for r in runs} == {"causal/0", "causal/1", "prefix/0", "prefix/1", f"{sweep.SCRATCH}/0",
+                                   f"{sweep.SCRATCH}/1"}
+  assert all(sweep.status(r) == "done" for r in runs)
+  record = json.loads(open(first).read())
+  assert record["provenance"]["git_commit"] and "jax" in record["provenance"]["versions"]
+  assert record["tokens"] == 6 * 4 * 64
+
+  # The CSV has one row per run; the markdown's mean +- CI is the direct computation from it.
+  with open(os.path.join(workdir, "results.csv")) as f:
+    rows = list(csv.DictReader(f))
+  assert len(rows) == 6
+  key = next(k for k in rows[0] if k.startswith("finetune/test/accuracy"))
+  md = open(os.path.join(workdir, "results.md")).read()
+  for arm in ("causal", "prefix", sweep.SCRATCH):
+    values = [float(r[key]) for r in rows if r["arm"] == arm]
+    mean, half = np.mean(values), stats.t.ppf(0.975, 1) * np.std(values, ddof=1) / math.sqrt(2)
+    line = next(ln for ln in md.splitlines() if ln.startswith(f"| {arm} |"))
+    assert f"{mean:.4f} ± {half:.4f}" in line or (half == 0 and f"{mean:.4f}" in line)
+  loss = [float(r["pretrain/eval/loss"]) for r in rows if r["arm"] == "prefix"]
+  base = [float(r["pretrain/eval/loss"]) for r in rows if r["arm"] == "causal"]
+  p = stats.ttest_ind(loss, base, equal_var=False).pvalue
+  prefix_line = next(ln for ln in md.splitlines() if ln.startswith("| prefix |"))
+  assert sweep_report._fmt_p(p) in prefix_line
+  for png in ("eval_loss.png", key.replace("/", "_") + ".png"):
+    _png_ok(os.path.join(workdir, png))
+
+  # --print-commands: nothing is pending any more
+  assert subprocess.run([sys.executable, "-m", "tfx.sweep", sweep_file, "--workdir", workdir, "--print-commands"],
+                        cwd=ROOT, capture_output=True, text=True).stdout.strip() == ""
+
+
+def test_print_commands_lists_one_command_per_pending_run(tmp_path, shared_tokenizer, capsys):
+  sweep_file = _write(tmp_path, shared_tokenizer, FINETUNE)
+  sweep.main([sweep_file, "--workdir", str(tmp_path / "w"), "--print-commands"])
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert len(lines) == 6 and all("-m tfx.sweep" in ln and "--only" in ln for ln in lines)
+  assert any(shlex.split(ln)[-2:] == [f"{sweep.SCRATCH}/1", "--no-report"] for ln in lines)
+  with pytest.raises(SystemExit, match="matches no run"):
+    sweep.main([sweep_file, "--workdir", str(tmp_path / "w"), "--only", "nope"])
