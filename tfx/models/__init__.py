@@ -3,6 +3,7 @@
 from tfx.models.base import POSITIONS, Family
 from tfx.models import decoder, encoder, encoder_decoder, xlnet  # noqa: F401  (register the families)
 from tfx.models.encoder import ClassifierHead
+from tfx.models.classifier import POOLINGS, Classifier, build_classifier
 
 
 def build_model(model_cfg, *, vocab_size: int, max_length: int) -> Family:

@@ -38,6 +38,8 @@ class Family(nn.Module):
 
   # Names of the int32 [b, t] inputs `init` needs.
   INPUTS: ClassVar[tuple[str, ...]] = ()
+  # Which position a sequence classifier pools (ClassifierHead.pooling): 'first', 'mean' or 'last'.
+  POOLING: ClassVar[str] = "mean"
 
   @classmethod
   def init_inputs(cls, batch: int, length: int) -> dict[str, jax.Array]:
@@ -51,6 +53,15 @@ class Family(nn.Module):
       else:
         out[name] = jnp.zeros((batch, length), jnp.int32)
     return out
+
+  def sequence_hidden(self, tokens, segment_ids, positions, token_types=None, *, train: bool = False) -> jax.Array:
+    """Final hidden states [b, t, e] of one (right-padded) text per row, for sequence classification.
+
+    tokens, segment_ids (1 = real, 0 = padding), positions, token_types: [b, t] int. Attention
+    never reaches padding, so whatever follows a row's last real token changes nothing before
+    it. The parameters it uses are a subset of those of the family's pretraining call.
+    """
+    raise NotImplementedError(f"model family {self.cfg.family!r} has no sequence classification features")
 
   def absolute_positions(self, positions: jax.Array, name: str = "position_embed") -> jax.Array | float:
     """[b, t] -> [b, t, e] absolute position embedding; 0.0 for rotary / relative positions

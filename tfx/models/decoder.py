@@ -11,7 +11,8 @@ from tfx.registry import FAMILIES
 class Decoder(Family):
   """Decoder-only language model.
 
-  `__call__(tokens, segment_ids, positions, *, train, decode, mask) -> logits [b, t, v]`.
+  `__call__(tokens, segment_ids, positions, *, train, decode, mask, return_hidden) -> logits [b, t, v]`
+  (or the final hidden states [b, t, e] with `return_hidden=True`, for classification heads).
   tokens, segment_ids (0 = padding, 1..k = packed documents), positions: [b, t] int.
   mask: optional [b, 1|h, t, t] bool replacing the default causal-and-same-document mask
   (prefix-LM objectives pass theirs). With decode=True the block attention reads and
@@ -19,9 +20,11 @@ class Decoder(Family):
   """
 
   INPUTS = ("tokens", "segment_ids", "positions")
+  POOLING = "last"  # causal: only the last real token has seen the whole text
 
   @nn.compact
-  def __call__(self, tokens, segment_ids, positions, *, train: bool = False, decode: bool = False, mask=None):
+  def __call__(self, tokens, segment_ids, positions, *, train: bool = False, decode: bool = False, mask=None,
+               return_hidden: bool = False):
     cfg = self.cfg
     embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=cfg.compute_dtype, name="token_embed")
     x = self.embed_inputs(embed, tokens, positions, train=train)  # [b, t, e]
@@ -30,5 +33,11 @@ class Decoder(Family):
     x = Stack(cfg, cfg.num_layers, deterministic=not train, decode=decode, name="decoder")(x, mask, positions, segment_ids)
     if cfg.norm == "pre":
       x = make_norm(cfg, "final_norm")(x)
+    if return_hidden:
+      return x  # [b, t, e]
     return self.lm_head(embed, x)
+
+  def sequence_hidden(self, tokens, segment_ids, positions, token_types=None, *, train: bool = False):
+    """[b, t, e] final hidden states under the causal, same-document mask (token types unused)."""
+    return self(tokens, segment_ids, positions, train=train, return_hidden=True)
 

@@ -54,6 +54,13 @@ class Encoder(Family):
   """
 
   INPUTS = ("tokens", "segment_ids", "positions")
+  POOLING = "first"  # BERT's [CLS]
+
+  def sequence_hidden(self, tokens, segment_ids, positions, token_types=None, *, train: bool = False):
+    """[b, t, e] final hidden states, bidirectional within the row's real tokens; token types
+    (segment A / B) when the model has a type embedding (`type_vocab_size` > 0)."""
+    token_types = token_types if self.cfg.type_vocab_size else None
+    return self(tokens, segment_ids, positions, token_types=token_types, train=train, return_hidden=True)
 
   def __call__(self, tokens, segment_ids, positions, *, token_types=None, train: bool = False, mask=None,
                return_hidden: bool = False):
@@ -122,13 +129,20 @@ class Encoder(Family):
     return self.lm_head(embed, h, bias=True)
 
 
+def last_real_index(segment_ids: jax.Array) -> jax.Array:
+  """[b, t] -> [b] int32: the position of each row's last real token (segment > 0; 0 if none)."""
+  t = segment_ids.shape[-1]
+  return jnp.max(jnp.where(segment_ids > 0, jnp.arange(t, dtype=jnp.int32), 0), axis=-1)
+
+
 class ClassifierHead(nn.Module):
   """Sequence classification on encoder hidden states, for fine-tuning.
 
   Attributes:
     num_classes: output classes.
-    pooling: 'first' (the first token of each row, BERT's [CLS]) or 'mean' (mean over the
-      tokens of the row's first document, segment 1).
+    pooling: 'first' (the first token of each row, BERT's [CLS]), 'mean' (mean over the
+      tokens of the row's first document, segment 1) or 'last' (the row's last real token,
+      segment > 0: a causal decoder's or XLNet's summary position; rows are right-padded).
   """
 
   num_classes: int
@@ -144,8 +158,10 @@ class ClassifierHead(nn.Module):
     elif self.pooling == "mean":
       w = (segment_ids == 1).astype(jnp.float32)[..., None]  # [b, t, 1]
       pooled = jnp.sum(hidden.astype(jnp.float32) * w, axis=1) / jnp.maximum(jnp.sum(w, axis=1), 1.0)
+    elif self.pooling == "last":
+      pooled = jnp.take_along_axis(hidden, last_real_index(segment_ids)[:, None, None], axis=1)[:, 0]  # [b, e]
     else:
-      raise ValueError(f"unknown pooling {self.pooling!r}; choose 'first' or 'mean'")
+      raise ValueError(f"unknown pooling {self.pooling!r}; choose 'first', 'mean' or 'last'")
     e = hidden.shape[-1]
     pooled = jnp.tanh(DenseGeneral((e,), (e,), ("embed", "mlp"), init_std=self.init_std, name="pooler")(pooled))
     pooled = nn.Dropout(self.dropout)(pooled, deterministic=not train)

@@ -33,6 +33,14 @@ class EncoderDecoder(Family):
 
   INPUTS = ("encoder_tokens", "encoder_segment_ids", "encoder_positions",
             "decoder_tokens", "decoder_segment_ids", "decoder_positions")
+  # Classification reads the encoder only and averages it: T5 itself classifies by generating the
+  # label's text with the decoder; an encoder-only mean is the common alternative (Sentence-T5's
+  # "mean" encoder pooling), needs no decoder step and no label verbalisation.
+  POOLING = "mean"
+
+  def sequence_hidden(self, tokens, segment_ids, positions, token_types=None, *, train: bool = False):
+    """[b, s, e] encoder output (final norm and dropout applied); the decoder is not run."""
+    return self(tokens, segment_ids, positions, train=train)
 
   @nn.compact
   def __call__(self, encoder_tokens, encoder_segment_ids, encoder_positions, decoder_tokens=None,

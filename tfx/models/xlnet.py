@@ -41,10 +41,20 @@ class XLNet(Family):
     with target_mapping); target_mapping [b, n, t] float or None (no query stream);
     mems [l, b, m, e] or None; bi_sign [b] float (+1 / -1 per row) or None.
   logits: the query stream's [b, n, v] with target_mapping, else the content stream's [b, t, v]
-  (float32). new_mems: [l, b, mem_len, e], or None when mem_len == 0.
+  (float32); with `return_hidden=True` the final hidden states [b, n|t, e] instead (for
+  classification heads). new_mems: [l, b, mem_len, e], or None when mem_len == 0.
   """
 
   INPUTS: ClassVar[tuple[str, ...]] = ("tokens", "token_types", "content_mask", "query_mask", "target_mapping")
+  POOLING: ClassVar[str] = "last"  # XLNet classifies from the <cls> that ends the row
+
+  def sequence_hidden(self, tokens, segment_ids, positions, token_types=None, *, train: bool = False):
+    """[b, t, e] content-stream hidden states: every position attends every real token of its
+    row (no permutation, no memory; positions are relative, so right padding moves nothing)."""
+    real = segment_ids > 0  # [b, t]
+    content_mask = jnp.broadcast_to(real[:, None, :], real.shape + real.shape[-1:])  # [b, t, t]
+    hidden, _ = self(tokens, token_types, content_mask, train=train, return_hidden=True)
+    return hidden
 
   @classmethod
   def init_inputs(cls, batch: int, length: int) -> dict[str, jax.Array]:
@@ -60,7 +70,7 @@ class XLNet(Family):
 
   @nn.compact
   def __call__(self, tokens, token_types=None, content_mask=None, query_mask=None, target_mapping=None, mems=None,
-               bi_sign=None, *, train: bool = False):
+               bi_sign=None, *, train: bool = False, return_hidden: bool = False):
     cfg = self.cfg
     mem_len = cfg.mem_len
     clamp_len = cfg.clamp_len
@@ -110,5 +120,7 @@ class XLNet(Family):
       h, g = carry
       new_mems = jnp.stack(caches) if mem_len > 0 else None  # [l, b, mem_len, e]
     out = drop(h if g is None else g)
+    if return_hidden:
+      return out, new_mems  # [b, n|t, e]
     logits = self.lm_head(embed, out, bias=True)  # [b, n|t, v]
     return logits, new_mems
