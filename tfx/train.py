@@ -367,11 +367,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   return {"step": step, "workdir": workdir, "state": state, "last_eval": eval_record, "experiment": exp}
 
 
-def load_trained(workdir: str, step: int | None = None):
-  """(config, tokenizer, model, params) of a trained run, for generation and evaluation.
+def load_run(workdir: str):
+  """(config, tokenizer) of a trained run: WORKDIR/config.json and the run's tokenizer.
 
-  Uses WORKDIR/config.json, the run's tokenizer and the latest (or given) checkpoint, placed
-  on a mesh of all local devices (data parallel).
+  Raises UserError (saying what to do) when the directory is not a run or its tokenizer is gone.
   """
   from tfx.data.tokenizer import fit_vocab_size, load_tokenizer, saved_tokenizer
 
@@ -389,11 +388,14 @@ def load_trained(workdir: str, step: int | None = None):
     tokenizer = fit_vocab_size(load_tokenizer(str(tok_path)), config.data.vocab_size)
   except (ValueError, FileNotFoundError) as e:
     raise UserError(str(e)) from e
-  model = build_model(config.model, vocab_size=tokenizer.vocab_size, max_length=config.data.seq_len)
+  return config, tokenizer
+
+
+def restore_params(workdir: str, config, tokenizer, model: nn.Module, mesh, step: int | None = None):
+  """(params, step) of the run's latest (or given) checkpoint, placed on `mesh` by the logical
+  axis rules. `config` and `tokenizer` are the run's (`load_run`); the whole train state is
+  restored (its layout depends on them), and all but the parameters dropped."""
   tx, _ = make_optimizer(config)
-  with config.unlocked():
-    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
-  mesh = parallel.make_mesh(config.mesh)
   objective = OBJECTIVES.get(config.objective.name).from_config(config.objective, SpecialIds.from_tokenizer(tokenizer))
   abstract, shardings = state_shardings(model, tx, mesh, config.data.seq_len, objective, config.train.batch_size)
   mngr = checkpoint.manager(workdir, keep=config.train.keep_checkpoints, async_save=False)
@@ -402,7 +404,21 @@ def load_trained(workdir: str, step: int | None = None):
     raise UserError(f"{workdir}/checkpoints has no checkpoint yet")
   state, _ = checkpoint.restore(mngr, step, checkpoint.abstract_like(abstract, shardings))
   mngr.close()
-  return config, tokenizer, model, state.params
+  return state.params, step
+
+
+def load_trained(workdir: str, step: int | None = None):
+  """(config, tokenizer, model, params) of a trained run, for generation and evaluation.
+
+  Uses WORKDIR/config.json, the run's tokenizer and the latest (or given) checkpoint, placed
+  on a mesh of all local devices (data parallel).
+  """
+  config, tokenizer = load_run(workdir)
+  model = build_model(config.model, vocab_size=tokenizer.vocab_size, max_length=config.data.seq_len)
+  with config.unlocked():
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
+  params, _ = restore_params(workdir, config, tokenizer, model, parallel.make_mesh(config.mesh), step)
+  return config, tokenizer, model, params
 
 
 def main(argv: list[str] | None = None) -> None:
