@@ -252,4 +252,58 @@ def get_config() -> ml_collections.ConfigDict:
   # Keep the smallest set of tokens whose probability reaches p (1.0 = off).
   c.generate.top_p = 1.0
 
+  # ---------------------------------------------------------------- fine-tuning (python -m tfx.finetune)
+  # A fine-tune takes the architecture, tokenizer and mesh of a pretrained run (--from RUN) and these
+  # settings; its train.* / optim.* are derived from them.
+  c.finetune = ml_collections.ConfigDict()
+  # The task spec (set by --task): 'stdlib:package', 'stdlib:docstring', 'jsonl:PATH', 'hf:glue:NAME', ...
+  c.finetune.task = ""
+  # The pretrained run directory (set by --from); '' = none.
+  c.finetune.from_workdir = ""
+  # 'pretrained' (the backbone from the run's latest checkpoint) or 'scratch' (random, same architecture).
+  c.finetune.init = "pretrained"
+  # 'auto' (encoder: 'first', decoder and xlnet: 'last', encoder_decoder: 'mean'), 'first', 'mean' or 'last'.
+  c.finetune.pooling = "auto"
+  # Tokens per example row (0 = the pretraining data.seq_len; at most that with learned positions).
+  c.finetune.max_length = 0
+  # Optimizer steps, global batch size (examples), AdamW peak rate, linear warmup, decoupled weight decay
+  # (cosine decay to optim.final_lr_fraction of the peak, as in pretraining).
+  c.finetune.steps = 500
+  c.finetune.batch_size = 16
+  c.finetune.learning_rate = 1e-4
+  c.finetune.warmup_steps = 50
+  c.finetune.weight_decay = 0.01
+  # Dropout on the pooled vector of the classifier head (the backbone's is model.dropout).
+  c.finetune.dropout = 0.1
+  # Seed of the head's initialisation, the example order and dropout (and of a scratch backbone).
+  c.finetune.seed = 0
+  # Log training metrics every N steps; evaluate on the validation split every N steps (and at the end).
+  c.finetune.log_every = 10
+  c.finetune.eval_every = 50
+  # Early stopping: stop after this many evaluations without a better validation select_metric (0 = off).
+  c.finetune.patience = 5
+  # The validation metric that picks the best params: 'accuracy', 'macro_f1', 'mcc' (binary) or 'loss'.
+  c.finetune.select_metric = "accuracy"
+  # Save a checkpoint every N steps (0 = at every evaluation) and at the end.
+  c.finetune.checkpoint_every = 0
+  # Stop after this many steps of this invocation (0 = run to the end); the same command resumes.
+  c.finetune.stop_after = 0
+  # Caps on the examples of the train split and of each of validation / test (0 = all). stdlib:package
+  # caps each class at cap // classes.
+  c.finetune.max_train_examples = 0
+  c.finetune.max_eval_examples = 0
+  # Shares held out by stable hash when a task has no such split (one jsonl file, GLUE's hidden test
+  # labels, stdlib tasks).
+  c.finetune.validation_fraction = 0.15
+  c.finetune.test_fraction = 0.15
+  # jsonl: / hf: tasks: the fields of the text, the optional second text, and the label.
+  c.finetune.text_field = "text"
+  c.finetune.text_b_field = "text_b"
+  c.finetune.label_field = "label"
+  # The label names in class order (a JSON list); empty = the sorted labels of the train split.
+  c.finetune.labels = ()
+  # stdlib:package: the number of packages (classes); functions need at least min_function_lines lines.
+  c.finetune.stdlib_classes = 20
+  c.finetune.min_function_lines = 3
+
   return c

@@ -304,5 +304,51 @@ def _log_problems(config: ml_collections.ConfigDict) -> list[str]:
   return []
 
 
+FINETUNE_CHOICES = {
+    "init": ("pretrained", "scratch"),
+    "pooling": ("auto", "first", "mean", "last"),
+    "select_metric": ("accuracy", "macro_f1", "mcc", "loss"),
+}
+
+
+def validate_finetune(config: ml_collections.ConfigDict, *, num_devices: int, process_count: int = 1) -> None:
+  """Rejects an impossible `finetune` section (python -m tfx.finetune) before any work starts.
+
+  Raises:
+    ConfigError listing every problem found, each with how to fix it.
+  """
+  ft, problems = config.finetune, []
+  for key, choices in FINETUNE_CHOICES.items():
+    if ft[key] not in choices:
+      problems.append(f"finetune.{key}={ft[key]!r}: choose one of {', '.join(choices)}")
+  for key in ("steps", "batch_size", "log_every", "eval_every", "stdlib_classes", "min_function_lines"):
+    if ft[key] < (2 if key == "stdlib_classes" else 1):
+      problems.append(f"finetune.{key}={ft[key]} must be at least {2 if key == 'stdlib_classes' else 1}")
+  for key in ("max_length", "warmup_steps", "patience", "checkpoint_every", "stop_after", "max_train_examples",
+              "max_eval_examples"):
+    if ft[key] < 0:
+      problems.append(f"finetune.{key}={ft[key]} must be >= 0")
+  if ft.learning_rate <= 0 or ft.weight_decay < 0:
+    problems.append("finetune.learning_rate must be positive and finetune.weight_decay >= 0")
+  if not 0.0 <= ft.dropout < 1.0:
+    problems.append(f"finetune.dropout={ft.dropout} must be in [0, 1)")
+  if not (0 < ft.validation_fraction and 0 < ft.test_fraction and ft.validation_fraction + ft.test_fraction < 1):
+    problems.append("finetune.validation_fraction and finetune.test_fraction must be positive with a sum below 1")
+  if ft.max_length and config.model.position == "learned" and ft.max_length > config.data.seq_len:
+    problems.append(f"finetune.max_length={ft.max_length} exceeds the learned position table of the pretrained "
+                    f"run (data.seq_len={config.data.seq_len}); use at most {config.data.seq_len} (or 0)")
+  try:
+    data_ax, fsdp_ax, _ = resolve_mesh_shape(config.mesh, num_devices)
+  except ConfigError as e:
+    problems.append(f"{e} (fine-tuning: set --config.mesh.data=-1 to use every device for data parallelism)")
+  else:
+    if ft.batch_size % (data_ax * fsdp_ax) or ft.batch_size % process_count:
+      problems.append(f"finetune.batch_size={ft.batch_size} does not split across the data axes (mesh.data * "
+                      f"mesh.fsdp = {data_ax * fsdp_ax}) and {process_count} host(s); use a multiple of "
+                      f"{data_ax * fsdp_ax * process_count}")
+  if problems:
+    raise ConfigError("invalid finetune config:\n  - " + "\n  - ".join(problems))
+
+
 def _divisors(n: int) -> list[int]:
   return [i for i in range(1, n + 1) if n % i == 0]
