@@ -272,6 +272,28 @@ def test_finetune_encoder_on_the_pair_task(tmp_path, pretrained_encoder):
 
 
 @pytest.mark.slow
+def test_sharded_finetune_matches_one_device(tmp_path, pretrained_decoder):
+  """The mesh config shards the fine-tune as it does pretraining: on 8 fake devices as 2 x 2 x 2
+  (data, fsdp, tensor) the metrics equal those of one device."""
+  one = str(tmp_path / "one")
+  finetune.run(None, pretrained_decoder, "stdlib:package", one, overrides=SMOKE)
+  eight = str(tmp_path / "eight")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, "-m", "tfx.finetune", "--from", pretrained_decoder, "--task", "stdlib:package", "--workdir", eight,
+       *[f"--config.{o}" for o in SMOKE], "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"],
+      cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 2}" in proc.stdout
+  a, b = without_timing(read_metrics(one)), without_timing(read_metrics(eight))
+  assert [(r["split"], r["step"]) for r in a] == [(r["split"], r["step"]) for r in b]
+  for x, y in zip(a, b):
+    for key in x:
+      if isinstance(x[key], float):
+        assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), (x, y)
+
+
+@pytest.mark.slow
 def test_cli_scratch_without_a_pretrained_run_and_errors(tmp_path, shared_tokenizer):
   flags = [f"--config.{o}" for o in SMOKE]
   proc = subprocess.run(
