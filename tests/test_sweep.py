@@ -132,3 +132,18 @@ def test_print_commands_lists_one_command_per_pending_run(tmp_path, shared_token
   assert any(shlex.split(ln)[-2:] == [f"{sweep.SCRATCH}/1", "--no-report"] for ln in lines)
   with pytest.raises(SystemExit, match="matches no run"):
     sweep.main([sweep_file, "--workdir", str(tmp_path / "w"), "--only", "nope"])
+
+
+@pytest.mark.parametrize("study", ["objectives", "span_corruption", "plm_architecture"])
+def test_every_study_plans_at_both_sizes(study, tmp_path):
+  """The studies' sweep files load, their arms build valid configs, and budget matching gives
+  every arm the same tokens or FLOPs (within one step)."""
+  path = os.path.join(ROOT, "experiments", study, "sweep.py")
+  for smoke in (True, False):
+    s = sweep.load_sweep(path, smoke)
+    runs = [r for r in sweep.plan(s, str(tmp_path)) if not r.scratch]
+    assert len(runs) == len(s.arms) * len(s.seeds) and len(s.seeds) >= (2 if smoke else 3)
+    if s.match:
+      per = {"tokens": lambda r: r.tokens_per_step, "flops": lambda r: r.flops_per_step}[s.match]
+      for r in runs:
+        assert abs(r.steps * per(r) - s.budget) <= per(r) / 2 + 1e-6 * s.budget, (r.arm, r.steps)
