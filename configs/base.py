@@ -90,52 +90,13 @@ def get_config() -> ml_collections.ConfigDict:
 
   # ---------------------------------------------------------------- objective
   c.objective = ml_collections.ConfigDict()
-  # Registered objective: 'causal_lm' and 'prefix_lm' (decoder), 'masked_lm' (encoder),
-  # 'span_corruption' (encoder_decoder). The objective decides inputs, targets and weights.
+  # The objective: registered ('causal_lm' and 'prefix_lm' drive the decoder, 'masked_lm' the encoder,
+  # 'span_corruption' the encoder_decoder, 'permutation_lm' xlnet or the encoder; `python -m tfx.train
+  # --list-objectives` prints them all with their fields), or a class outside the package:
+  # 'path/to/file.py:ClassName' or 'package.module:ClassName'. The objective decides inputs, targets and
+  # weights. This section holds `name` and that objective's own fields only (its dataclass fields, with
+  # their defaults): set them here or as --config.objective.FIELD=VALUE; any other field is an error.
   c.objective.name = "causal_lm"
-  # Weight of the z-loss (log^2 of the softmax normaliser), 0 = off (T5X uses 1e-4).
-  c.objective.z_loss = 0.0
-  # masked_lm: probability that an eligible token (or word, with whole_word) is selected.
-  c.objective.mask_rate = 0.15
-  # masked_lm: share of the selected tokens replaced by <mask>.
-  c.objective.mask_token_rate = 0.8
-  # masked_lm: share replaced by a random ordinary token (the rest are kept as they are).
-  c.objective.random_token_rate = 0.1
-  # masked_lm: select whole words (sentencepiece word starts) instead of single pieces.
-  c.objective.whole_word = False
-  # span_corruption: share of the raw tokens that become noise.
-  c.objective.noise_density = 0.15
-  # span_corruption: mean length of a noise span (T5: 3; ByT5: 20).
-  c.objective.mean_span_length = 3.0
-  # span_corruption: encoder input length, 0 = data.seq_len (the raw row is then longer:
-  # 568 raw tokens give 512 inputs and 114 targets).
-  c.objective.inputs_length = 0
-  # permutation_lm: prediction slots per row, 0 = round(seq_len/6) (85 for 512), split
-  # ceil/floor over the two halves.
-  c.objective.num_predict = 0
-  # permutation_lm: block size of the local permutation, 0 = reuse_len; must divide both halves.
-  c.objective.perm_size = 0
-  # permutation_lm: length of the first half (next step's memory), 0 = seq_len // 2.
-  c.objective.reuse_len = 0
-  # permutation_lm: span context = mask_alpha * n / mask_beta around an n-token span (XLNet 6, 1).
-  c.objective.mask_alpha = 6.0
-  c.objective.mask_beta = 1.0
-  # permutation_lm: longest span; lengths n in 1..max_span with p proportional to 1/n.
-  c.objective.max_span = 5
-  # permutation_lm: 'span' (XLNet's span sampler) or 'last' (the last 1/K of each half's
-  # factorization order).
-  c.objective.target_mode = "span"
-  # permutation_lm: XLNet's bi_data. The second half of every batch reads the first half's text
-  # streams backwards, and the xlnet family negates their relative distances (even batch size).
-  c.objective.bi_data = False
-  # permutation_lm: 'xlnet' = XLNet's row [reuse, A, <sep>, B, <sep>, <cls>] with token types
-  # 0/1/2, built from seq_len - 3 stream tokens, attention crossing the stream's documents (as
-  # the memory does); 'plain' = the packed row as is, attention inside each document.
-  c.objective.row_layout = "xlnet"
-  # permutation_lm, XLNet layout: probability that B is random text instead of A's continuation.
-  c.objective.random_b_rate = 0.5
-  # permutation_lm: spans start at a word start (XLNet's sampler; sentencepiece '▁' pieces).
-  c.objective.word_spans = False
 
   # ---------------------------------------------------------------- data
   c.data = ml_collections.ConfigDict()

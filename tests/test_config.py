@@ -116,7 +116,7 @@ def test_registry_errors():
   r.register("a")(object)
   with pytest.raises(ValueError, match="registered twice"):
     r.register("a")(object)
-  with pytest.raises(ValueError, match="known widgets: a"):
+  with pytest.raises(ValueError, match="known: a"):
     r.get("b")
 
 

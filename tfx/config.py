@@ -83,6 +83,15 @@ def apply_override(config: ml_collections.ConfigDict, key: str, text: str) -> No
       raise ConfigError(f"unknown config key {key!r}: {'.'.join(parts[: i + 1])!r} does not exist")
     node = node[part]
   leaf = parts[-1]
+  if parts[:-1] == ["objective"] and leaf not in node and "name" in node:
+    from tfx.objectives import options as options_lib
+
+    try:
+      opts = objective_class(node.name).options()
+    except ConfigError:
+      opts = None
+    if opts is not None:
+      raise ConfigError(f"--config.{key}: " + options_lib.unknown_fields_message(node.name, [leaf], opts))
   if not isinstance(node, ml_collections.ConfigDict) or leaf not in node:
     section = ".".join(parts[:-1])
     known = ", ".join(sorted(node.keys())) if isinstance(node, ml_collections.ConfigDict) else ""
@@ -116,15 +125,74 @@ def parse_overrides(argv: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def load_config(path: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
-  """Loads `path` (optionally `path:arg`), applies `--config.k=v` overrides, locks the result."""
+  """Loads `path` (optionally `path:arg`), applies `--config.k=v` overrides, locks the result.
+
+  `config.objective` ends up holding `name` and every field of that objective (its value, or the
+  class's default): `--config.objective.name=...` is applied first, so that the other objective
+  overrides are checked against the chosen objective's fields.
+  """
   arg = None
   if ":" in os.path.basename(path):
     path, arg = path.rsplit(":", 1)
   config = load_config_file(path, arg)
-  for key, value in parse_overrides(overrides):
-    apply_override(config, key, value)
+  pairs = parse_overrides(overrides)
+  file_objective = config.objective.get("name", "") if "objective" in config else ""
+  for key, value in pairs:
+    if key == "objective.name":
+      apply_override(config, key, value)
+  resolve_objective(config, switched_from=file_objective)
+  for key, value in pairs:
+    if key != "objective.name":
+      apply_override(config, key, value)
   config.lock()
   return config
+
+
+def objective_class(name: str):
+  """The objective class `name` means (registered, or file.py:Class / module:Class); ConfigError if none."""
+  load_builtins()
+  try:
+    return OBJECTIVES.get(name)
+  except ValueError as e:
+    raise ConfigError(_unknown_plugin("objective.name", name, OBJECTIVES, e)) from None
+
+
+def _unknown_plugin(key: str, name: str, registry, error: ValueError) -> str:
+  if ":" in name:  # a file or module: the loader's message says what went wrong
+    return f"{key}: {error}"
+  return f"{key}={name!r} is not registered; known: {', '.join(registry.names())} (or path/to/file.py:ClassName)"
+
+
+def resolve_objective(config: ml_collections.ConfigDict, *, strict: bool = True, switched_from: str = "") -> None:
+  """Replaces `config.objective` by `name` + the chosen objective's fields (values kept, defaults filled).
+
+  strict: a field the objective does not have is a ConfigError listing its fields; otherwise it is
+  dropped (config.json of runs written when `config.objective` held every objective's fields).
+  switched_from: the objective the config file chose when the command line changed `objective.name`;
+  the file's settings of that objective's own fields are dropped with it.
+  """
+  from tfx.objectives import options as options_lib
+
+  if "objective" not in config:
+    raise ConfigError("the config has no objective section; start it from configs/base.py (base.get_config())")
+  values = config.objective.to_dict()
+  name = values.pop("name", "")
+  if not name:
+    raise ConfigError("objective.name is empty; set it to a registered objective (python -m tfx.train "
+                      "--list-objectives) or to path/to/file.py:ClassName")
+  cls = objective_class(name)
+  if switched_from and switched_from != name:
+    try:
+      previous = {o.name for o in objective_class(switched_from).options()} - {o.name for o in cls.options()}
+    except ConfigError:
+      previous = set()
+    values = {k: v for k, v in values.items() if k not in previous}
+  try:
+    section = options_lib.section(cls, values, name=name, strict=strict)
+  except (ValueError, TypeError) as e:
+    raise ConfigError(str(e)) from None
+  with config.unlocked():
+    config.objective = ml_collections.ConfigDict(section)
 
 
 def to_json(config: ml_collections.ConfigDict) -> str:
@@ -132,7 +200,15 @@ def to_json(config: ml_collections.ConfigDict) -> str:
 
 
 def from_json(text: str) -> ml_collections.ConfigDict:
-  return ml_collections.ConfigDict(json.loads(text))
+  """A run's config.json. Its objective section is reduced to the objective's own fields (older runs
+  stored every objective's); when the objective cannot be loaded (a file that moved) it is kept as is."""
+  config = ml_collections.ConfigDict(json.loads(text))
+  if "objective" in config:
+    try:
+      resolve_objective(config, strict=False)
+    except ConfigError:
+      pass
+  return config
 
 
 # ----------------------------------------------------------------------------- validation
@@ -225,12 +301,11 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int, process_cou
   if not 0.0 <= m.dropout < 1.0:
     problems.append(f"model.dropout={m.dropout} must be in [0, 1)")
 
-  if m.family not in FAMILIES:
-    problems.append(f"model.family={m.family!r} is not registered; known: {', '.join(FAMILIES.names())}")
-  if config.objective.name not in OBJECTIVES:
-    problems.append(f"objective.name={config.objective.name!r} is not registered; known: {', '.join(OBJECTIVES.names())}")
-  elif m.family in FAMILIES:
-    problems.extend(OBJECTIVES.get(config.objective.name).check_config(config))
+  try:
+    FAMILIES.get(m.family)
+  except ValueError as e:
+    problems.append(_unknown_plugin("model.family", m.family, FAMILIES, e))
+  problems.extend(_objective_problems(config))
 
   if d.seq_len < 2:
     problems.append(f"data.seq_len={d.seq_len} must be at least 2")
@@ -288,6 +363,25 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int, process_cou
 
   if problems:
     raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def _objective_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """The objective: loadable, its section holds only its fields, and its own checks pass."""
+  from tfx.objectives import options as options_lib
+
+  name = config.objective.get("name", "")
+  try:
+    cls = OBJECTIVES.get(name)
+  except ValueError as e:
+    return [_unknown_plugin("objective.name", name, OBJECTIVES, e)]
+  values = {k: v for k, v in config.objective.to_dict().items() if k != "name"}
+  try:
+    options_lib.section(cls, values, name=name)
+  except (ValueError, TypeError) as e:
+    return [str(e)]
+  if config.model.family not in FAMILIES:
+    return []  # reported with the family
+  return cls.check_config(config)
 
 
 def _log_problems(config: ml_collections.ConfigDict) -> list[str]:

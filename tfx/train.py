@@ -14,6 +14,9 @@ Reads as a story:
 """
 
 import dataclasses
+import inspect
+import json
+import os
 import signal
 import sys
 import time
@@ -35,7 +38,7 @@ from tfx.errors import DataError, UserError
 from tfx.metrics import MetricsWriter, Progress
 from tfx.models import build_model
 from tfx.objectives import Objective, SpecialIds
-from tfx.registry import OBJECTIVES, load_builtins
+from tfx.registry import OBJECTIVES, file_sha256, load_builtins
 
 
 @flax.struct.dataclass
@@ -267,6 +270,37 @@ def write_config(config, workdir) -> None:
     (epath.Path(workdir) / "config.json").write_text(config_lib.to_json(config))
 
 
+def objective_source(objective: Objective) -> dict[str, Any]:
+  """Where the objective's code comes from: {name, class, file, sha256} (file/sha256 None if unknown)."""
+  cls = type(objective)
+  try:
+    path = inspect.getsourcefile(cls)
+  except TypeError:
+    path = None
+  return {"class": f"{cls.__module__}.{cls.__qualname__}", "file": path,
+          "sha256": file_sha256(path) if path and os.path.isfile(path) else None}
+
+
+def _record_objective_source(exp: Experiment, writer: MetricsWriter, progress) -> None:
+  """WORKDIR/objective.json records the objective's source file and its hash; a resume whose
+  objective source changed says so (a warning, and an `objective_changed` record in metrics.jsonl)."""
+  if jax.process_index() != 0:
+    return
+  path = epath.Path(exp.workdir) / "objective.json"
+  now = dict(objective_source(exp.objective), name=exp.config.objective.name)
+  if path.exists():
+    try:
+      before = json.loads(path.read_text())
+    except json.JSONDecodeError:
+      before = {}
+    if before.get("sha256") != now["sha256"] or before.get("class") != now["class"]:
+      progress.note(f"warning: the objective's source changed since this run started ({before.get('file')} "
+                    f"sha256 {str(before.get('sha256'))[:12]} -> {now['file']} sha256 {str(now['sha256'])[:12]}); "
+                    f"resuming with the new code")
+      writer.event(0, "objective_changed", before=before, now=now)
+  path.write_text(json.dumps(now, indent=2))
+
+
 def _restore_data_position(exp: Experiment, data_state: dict, writer: MetricsWriter, step: int, progress) -> None:
   """Moves the pipeline to the checkpoint's position, after checking it was the same corpus."""
   changes = corpus_changes(data_state.get("corpus"), exp.corpus)
@@ -293,6 +327,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   write_config(config, workdir)
   progress = Progress(t.steps)
   writer = MetricsWriter(workdir, config=config)
+  _record_objective_source(exp, writer, progress)
   stats = exp.pipeline.stats
   progress.note(f"tfx: {config.model.family} + {config.objective.name} on {config.data.source}: "
                 f"{stats.get('train_documents', '?')} train / {stats.get('eval_documents', '?')} eval documents, "
@@ -421,13 +456,30 @@ def load_trained(workdir: str, step: int | None = None):
   return config, tokenizer, model, params
 
 
+def list_objectives() -> str:
+  """Every registered objective with its families and fields (`--list-objectives`)."""
+  from tfx.objectives.options import describe
+
+  load_builtins()
+  blocks = [describe(name, cls, cls.families) for name, cls in OBJECTIVES.items()]
+  return ("objectives (objective.name; or path/to/file.py:ClassName for one outside the package):\n\n"
+          + "\n\n".join(blocks))
+
+
 def main(argv: list[str] | None = None) -> None:
   import argparse
 
   parser = argparse.ArgumentParser(prog="python -m tfx.train", description=__doc__.split("\n")[0])
-  parser.add_argument("--config", required=True, help="config file, e.g. configs/quickstart.py")
-  parser.add_argument("--workdir", required=True, help="run directory (resumed if it has checkpoints)")
+  parser.add_argument("--config", help="config file, e.g. configs/quickstart.py")
+  parser.add_argument("--workdir", help="run directory (resumed if it has checkpoints)")
+  parser.add_argument("--list-objectives", action="store_true",
+                      help="print every registered objective, the families it drives and its fields, then exit")
   args, overrides = parser.parse_known_args(argv)
+  if args.list_objectives:
+    print(list_objectives())
+    return
+  if not args.config or not args.workdir:
+    parser.error("--config and --workdir are required")
   parallel.initialize_distributed()
   try:
     config = config_lib.load_config(args.config, overrides)

@@ -22,11 +22,13 @@ tokens, XLNet's SEP/SEP/CLS layout fewer).
 """
 
 import dataclasses
-from typing import Any, ClassVar
+import math
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 
 from tfx import flops
+from tfx.objectives import options as options_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +61,37 @@ def placeholder_ids(vocab_size: int) -> SpecialIds:
                     sentinels=tuple(range(vocab_size - 1, vocab_size - 101, -1)), special=tuple(range(7)))
 
 
+class Predictions(NamedTuple):
+  """What an objective predicts from what, for `tfx.check_objective` (`Objective.predictions`).
+
+  Raw positions are flat indices into the batch's raw rows: `row * raw_length + position`.
+
+  logits: [b, n, v] float, the model's output for each of n prediction slots per row.
+  targets: [b, n] int, the id each slot predicts.
+  weights: [b, n] float, > 0 where the slot is a real prediction (0 = padding slot).
+  source: [b, n] int, the flat raw position of the token a slot predicts; -1 when it predicts
+    something that is not a raw token (a sentinel, an EOS the objective appends, a class label).
+  sees_self: [b, n] bool or None, slots that are shown their own token by design (BERT's kept
+    10%); None = none is.
+  visible: [b, n, b * raw_length] bool or None, the raw tokens each slot may depend on. None = the
+    tokens of its own document (same row and segment) except its own token. Declare it when the
+    objective hides more (later tokens of a factorization order, later targets) or shows other text.
+  """
+
+  logits: jax.Array
+  targets: jax.Array
+  weights: jax.Array
+  source: jax.Array
+  sees_self: jax.Array | None = None
+  visible: jax.Array | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class Objective:
   """Base class. Subclasses set `families` and implement `loss`."""
 
   ids: SpecialIds
+  # Weight of the z-loss (log^2 of the softmax normaliser), 0 = off (T5X uses 1e-4).
   z_loss: float = 0.0
 
   # Model families this objective can drive.
@@ -72,19 +100,31 @@ class Objective:
   stateful: ClassVar[bool] = False
   # Needs each batch row to continue the same row of the previous batch (a text stream).
   contiguous_rows: ClassVar[bool] = False
+  # Draws masks, spans or orders from the step's key (False: deterministic, like causal LM).
+  uses_rng: ClassVar[bool] = True
 
   @classmethod
-  def from_config(cls, objective_cfg, ids: SpecialIds) -> "Objective":
-    """Builds the objective from `config.objective` (fields the class does not have are ignored)."""
-    names = {f.name for f in dataclasses.fields(cls)} - {"ids"}
-    values = {k: v for k, v in objective_cfg.to_dict().items() if k in names}
-    return cls(ids=ids, **values)
+  def from_config(cls, objective_cfg, ids: SpecialIds, *, strict: bool = True) -> "Objective":
+    """Builds the objective from `config.objective` (`name` and this class's fields).
+
+    A field the class does not have raises ValueError listing its fields; with strict=False it is
+    dropped (the flat `config.objective` of runs written before objectives owned their fields)."""
+    values = dict(objective_cfg.to_dict() if hasattr(objective_cfg, "to_dict") else objective_cfg)
+    name = values.pop("name", cls.__name__)
+    resolved = options_lib.section(cls, values, name=name, strict=strict)
+    resolved.pop("name")
+    return cls(ids=ids, **resolved)
+
+  @classmethod
+  def options(cls) -> list[options_lib.Option]:
+    """This objective's configuration fields (name, type, default, the comment above it)."""
+    return options_lib.options(cls)
 
   @classmethod
   def check_config(cls, config) -> list[str]:
     """Problems with `config` for this objective (messages that say how to fix them)."""
     problems = []
-    if config.model.family not in cls.families:
+    if not family_matches(config.model.family, cls.families):
       problems.append(
           f"objective {config.objective.name!r} cannot drive model family {config.model.family!r}; "
           f"it drives: {', '.join(cls.families)}. Change objective.name or model.family.")
@@ -94,7 +134,7 @@ class Objective:
     # The objective's own field checks, before any tokenizer exists (ids are placeholders).
     try:
       cls.from_config(config.objective, placeholder_ids(config.data.vocab_size)).check_seq_len(config.data.seq_len)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
       problems.append(str(e))
     return problems
 
@@ -139,3 +179,31 @@ class Objective:
   def loss(self, model, params, batch: dict[str, jax.Array], rng: jax.Array, *, train: bool
            ) -> tuple[jax.Array, dict[str, Any]]:
     raise NotImplementedError
+
+  def predictions(self, model, params, batch: dict[str, jax.Array], rng: jax.Array) -> Predictions:
+    """Every prediction of `loss(..., train=False)` on `batch` under `rng`, with the raw token it
+    predicts and what it may see (`Predictions`). `tfx.check_objective` perturbs raw tokens with the
+    key fixed and checks that no prediction depends on its own token or on a token it may not see.
+    Stateful objectives run from their initial state."""
+    raise NotImplementedError(f"{type(self).__name__} does not implement predictions(), which "
+                              "tfx.check_objective needs to check what it predicts from what")
+
+  def initial_loss(self, vocab_size: int) -> float:
+    """The loss expected from a random model (near-uniform logits): ln(vocabulary)."""
+    return math.log(vocab_size)
+
+
+def family_matches(family: str, families: tuple[str, ...]) -> bool:
+  """Whether model family `family` (a registered name or `file.py:Class`) is one of `families`
+  (registered names): an outside family counts as the registered families it subclasses."""
+  if family in families:
+    return True
+  from tfx.registry import FAMILIES, is_spec
+
+  if not is_spec(family):
+    return False
+  try:
+    cls = FAMILIES.get(family)
+  except ValueError:
+    return False
+  return any(name in families and issubclass(cls, base) for name, base in FAMILIES.items())

@@ -34,6 +34,7 @@ import numpy as np
 
 from tfx import ops
 from tfx.objectives.base import Objective, SpecialIds
+from tfx.objectives.options import internal
 from tfx.registry import OBJECTIVES
 
 # Replacement kinds of a selected token.
@@ -162,11 +163,15 @@ class MaskedLM(Objective):
   `Tokenizer.word_start_mask()`): build with `objective.with_word_start(mask)`.
   """
 
+  # Probability that an eligible token (or word, with whole_word) is selected.
   mask_rate: float = 0.15
+  # Share of the selected tokens replaced by <mask>.
   mask_token_rate: float = 0.8
+  # Share replaced by a random ordinary token (the rest are kept as they are).
   random_token_rate: float = 0.1
+  # Select whole words (the tokenizer's word starts) instead of single pieces.
   whole_word: bool = False
-  word_start: tuple[bool, ...] | None = None
+  word_start: tuple[bool, ...] | None = internal()
 
   families = ("encoder",)
 

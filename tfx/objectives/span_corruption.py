@@ -227,8 +227,12 @@ class SpanCorruption(Objective):
   are longer (`raw_length`) and the decoder length is `targets_length(seq_len)`.
   """
 
+  # Share of the raw tokens that become noise.
   noise_density: float = 0.15
+  # Mean length of a noise span (T5: 3; ByT5: 20).
   mean_span_length: float = 3.0
+  # Encoder input length, 0 = data.seq_len (the raw row is then longer: 568 raw tokens give 512
+  # inputs and 114 targets).
   inputs_length: int = 0
 
   families = ("encoder_decoder",)
