@@ -3,6 +3,6 @@
 
 from tfx.objectives.base import Objective, Predictions, SpecialIds, placeholder_ids
 from tfx.objectives.options import Option, internal
-from tfx.objectives import causal_lm, masked_lm, permutation_lm, prefix_lm, span_corruption, text_infilling  # noqa: F401
+from tfx.objectives import causal_lm, masked_lm, permutation_lm, prefix_lm, span_corruption, text_infilling, ul2  # noqa: F401
 
 __all__ = ["Objective", "Option", "Predictions", "SpecialIds", "internal", "placeholder_ids"]
