@@ -22,7 +22,7 @@ MY_OBJECTIVE = textwrap.dedent('''
     import dataclasses
 
     from tfx import ops
-    from tfx.objectives import Objective
+    from tfx.objectives import Objective, Predictions, causal_visible, flat_positions
     from tfx.objectives.causal_lm import causal_lm_inputs
 
 
@@ -36,11 +36,20 @@ MY_OBJECTIVE = textwrap.dedent('''
 
       families = ("decoder",)
 
-      def loss(self, model, params, batch, rng, *, train):
+      def forward(self, model, params, batch, rng, *, train):
         x = causal_lm_inputs(batch, self.ids.bos if self.ids.bos is not None else self.ids.eos)
         logits = model.apply({"params": params}, x["inputs"], batch["segment_ids"], batch["positions"],
                              train=train, rngs={"dropout": rng})
+        return logits, x
+
+      def loss(self, model, params, batch, rng, *, train):
+        logits, x = self.forward(model, params, batch, rng, train=train)
         return ops.weighted_cross_entropy(logits, x["targets"], x["weights"] * self.weight, z_loss=self.z_loss)
+
+      def predictions(self, model, params, batch, rng):
+        logits, x = self.forward(model, params, batch, rng, train=False)
+        return Predictions(logits, x["targets"], x["weights"], flat_positions(batch["segment_ids"]),
+                           visible=causal_visible(batch["segment_ids"]))
 
 
     class NotAnObjective:

@@ -26,6 +26,7 @@ import math
 from typing import Any, ClassVar, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from tfx import flops
 from tfx.objectives import options as options_lib
@@ -207,3 +208,24 @@ def family_matches(family: str, families: tuple[str, ...]) -> bool:
   except ValueError:
     return False
   return any(name in families and issubclass(cls, base) for name, base in FAMILIES.items())
+
+
+def flat_positions(segment_ids: jax.Array) -> jax.Array:
+  """[b, t] -> [b, t] int32: each raw position's flat index `row * t + position` (for `Predictions.source`)."""
+  b, t = segment_ids.shape
+  return (jnp.arange(b, dtype=jnp.int32)[:, None] * t + jnp.arange(t, dtype=jnp.int32)[None, :])
+
+
+def causal_visible(segment_ids: jax.Array) -> jax.Array:
+  """[b, t] -> [b, t, b * t] bool: position i may see the raw tokens before it in its own document."""
+  b, t = segment_ids.shape
+  same_doc = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] > 0)  # [b, t, t]
+  earlier = jnp.arange(t)[None, :, None] > jnp.arange(t)[None, None, :]  # [1, t, t]
+  return spread_rows(same_doc & earlier)
+
+
+def spread_rows(within_row: jax.Array) -> jax.Array:
+  """[b, n, t] -> [b, n, b * t]: a per-row visibility as flat raw positions (other rows invisible)."""
+  b, n, t = within_row.shape
+  eye = jnp.eye(b, dtype=bool)[:, None, :, None]  # [b, 1, b, 1]
+  return (eye & within_row[:, :, None, :]).reshape(b, n, b * t)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from tfx import ops
-from tfx.objectives.base import Objective
+from tfx.objectives.base import Objective, Predictions, causal_visible, flat_positions
 from tfx.registry import OBJECTIVES
 
 
@@ -47,14 +47,25 @@ class CausalLM(Objective):
   """Next-token prediction with a causal, document-isolated mask."""
 
   families = ("decoder",)
+  uses_rng = False
 
   @property
   def bos_id(self) -> int:
     return self.ids.bos if self.ids.bos is not None else self.ids.eos
 
-  def loss(self, model, params, batch, rng, *, train):
+  def _forward(self, model, params, batch, rng, *, train):
     x = causal_lm_inputs(batch, self.bos_id)
     logits = model.apply(
         {"params": params}, x["inputs"], batch["segment_ids"], batch["positions"],
         train=train, rngs={"dropout": rng})  # [b, t, v]
+    return logits, x
+
+  def loss(self, model, params, batch, rng, *, train):
+    logits, x = self._forward(model, params, batch, rng, train=train)
     return ops.weighted_cross_entropy(logits, x["targets"], x["weights"], z_loss=self.z_loss)
+
+  def predictions(self, model, params, batch, rng):
+    """Position i predicts raw token i from the tokens before it in its document."""
+    logits, x = self._forward(model, params, batch, rng, train=False)
+    return Predictions(logits, x["targets"], x["weights"], flat_positions(batch["segment_ids"]),
+                       visible=causal_visible(batch["segment_ids"]))

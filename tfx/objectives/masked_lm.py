@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tfx import ops
-from tfx.objectives.base import Objective, SpecialIds
+from tfx.objectives.base import Objective, Predictions, SpecialIds, flat_positions
 from tfx.objectives.options import internal
 from tfx.registry import OBJECTIVES
 
@@ -122,7 +122,8 @@ def mask_tokens(
     mask_token_rate: float = 0.8,
     random_token_rate: float = 0.1,
     word_start: np.ndarray | tuple[bool, ...] | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return_kept: bool = False,
+) -> tuple[jax.Array, ...]:
   """Dynamic BERT masking of a packed batch.
 
   Args:
@@ -134,7 +135,8 @@ def mask_tokens(
     random_token_rate: probability that a selected token becomes a random ordinary token.
     word_start: optional bool [v], which ids start a word; given = whole-word masking.
   Returns:
-    (inputs [b, t] int32, targets [b, t] int32 = tokens, weights [b, t] float32 = selected).
+    (inputs [b, t] int32, targets [b, t] int32 = tokens, weights [b, t] float32 = selected), and with
+    `return_kept` also kept [b, t] bool: the selected tokens left unchanged in the inputs.
   """
   if ids.mask is None:
     raise ValueError("masked_lm needs a [MASK] id, but the tokenizer has none")
@@ -151,6 +153,8 @@ def mask_tokens(
   random_tokens = jnp.asarray(ordinary)[_row_randint(random_rng, tokens.shape, len(ordinary))]  # [b, t]
   replaced = jnp.where(kind == MASK, ids.mask, jnp.where(kind == RANDOM, random_tokens, tokens))
   inputs = jnp.where(selected, replaced, tokens).astype(jnp.int32)
+  if return_kept:  # the selected tokens shown as they are, by design (the "10% unchanged")
+    return inputs, tokens.astype(jnp.int32), selected.astype(jnp.float32), selected & (kind == KEEP)
   return inputs, tokens.astype(jnp.int32), selected.astype(jnp.float32)
 
 
@@ -195,8 +199,10 @@ class MaskedLM(Objective):
     """A copy that knows which ids start a word (bool [v], `Tokenizer.word_start_mask()`)."""
     return dataclasses.replace(self, word_start=tuple(bool(x) for x in np.asarray(word_start)))
 
-  def mask(self, batch: dict[str, jax.Array], rng: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(inputs, targets, weights), [b, t] each, of `batch` under this objective's settings."""
+  def mask(self, batch: dict[str, jax.Array], rng: jax.Array, *, return_kept: bool = False
+           ) -> tuple[jax.Array, ...]:
+    """(inputs, targets, weights), [b, t] each, of `batch` under this objective's settings (and the
+    kept tokens with `return_kept`, see `mask_tokens`)."""
     word_start = None
     if self.whole_word:
       if self.word_start is None:
@@ -205,12 +211,23 @@ class MaskedLM(Objective):
       word_start = np.asarray(self.word_start, bool)
     return mask_tokens(
         batch["tokens"], batch["segment_ids"], rng, ids=self.ids, mask_rate=self.mask_rate,
-        mask_token_rate=self.mask_token_rate, random_token_rate=self.random_token_rate, word_start=word_start)
+        mask_token_rate=self.mask_token_rate, random_token_rate=self.random_token_rate, word_start=word_start,
+        return_kept=return_kept)
 
-  def loss(self, model, params, batch, rng, *, train):
+  def _forward(self, model, params, batch, rng, *, train):
     mask_rng, dropout_rng = jax.random.split(rng)
-    inputs, targets, weights = self.mask(batch, mask_rng)  # [b, t] each
+    inputs, targets, weights, kept = self.mask(batch, mask_rng, return_kept=True)  # [b, t] each
     logits = model.apply(
         {"params": params}, inputs, batch["segment_ids"], batch["positions"],
         train=train, rngs={"dropout": dropout_rng})  # [b, t, v]
+    return logits, targets, weights, kept
+
+  def loss(self, model, params, batch, rng, *, train):
+    logits, targets, weights, _ = self._forward(model, params, batch, rng, train=train)
     return ops.weighted_cross_entropy(logits, targets, weights, z_loss=self.z_loss)
+
+  def predictions(self, model, params, batch, rng):
+    """A selected token is predicted from its document; the kept ones (selected, left as they are)
+    see themselves by design."""
+    logits, targets, weights, kept = self._forward(model, params, batch, rng, train=False)
+    return Predictions(logits, targets, weights, flat_positions(batch["segment_ids"]), sees_self=kept)

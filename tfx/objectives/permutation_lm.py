@@ -78,7 +78,7 @@ import jax
 import jax.numpy as jnp
 
 from tfx import flops, ops
-from tfx.objectives.base import Objective, placeholder_ids
+from tfx.objectives.base import Objective, Predictions, flat_positions, placeholder_ids
 from tfx.objectives.options import internal
 from tfx.objectives.plm_sampling import (  # noqa: F401  (re-exported: the sampling API lives there)
     LAYOUTS, resolve_lengths, half_goals, span_phase, span_targets, last_targets, sample_targets, local_permutation, row_order, xlnet_perm_mask, permutation_masks, target_mapping, check_layout, xlnet_rows, bi_signs)
@@ -236,7 +236,8 @@ class PermutationLM(Objective):
       for func_id in self.func_ids():
         is_func = is_func | (tokens == func_id)
       return {"tokens": tokens, "token_types": jnp.zeros_like(tokens), "segment_ids": segment_ids,
-              "positions": batch["positions"].astype(jnp.int32), "is_func": is_func}
+              "positions": batch["positions"].astype(jnp.int32), "is_func": is_func,
+              "source": jnp.where(segment_ids > 0, flat_positions(segment_ids), -1)}
     b, raw = tokens.shape
     _, reuse_len, _ = self.lengths(raw + 3)
     row = xlnet_rows(tokens, segment_ids, rng, reuse_len=reuse_len, sep=self.ids.sep, cls=self.ids.cls,
@@ -280,6 +281,15 @@ class PermutationLM(Objective):
     """(loss, metrics) of the model on prepared `features`; metrics["state"] = the new memory
     when `mems` [l, b, m, e] is given (memory columns are always visible). `bi_sign` [b] (+1 /
     -1 per row) flips the relative distances of reversed rows (xlnet family only)."""
+    logits, new_mems = self.logits_on_features(model, params, x, rng, train=train, mems=mems, bi_sign=bi_sign)
+    loss, metrics = ops.weighted_cross_entropy(logits, x["target_ids"], x["target_mask"], z_loss=self.z_loss)
+    if mems is not None:
+      metrics = dict(metrics, state=new_mems)
+    return loss, metrics
+
+  def logits_on_features(self, model, params, x: dict[str, jax.Array], rng: jax.Array, *, train: bool, mems=None,
+                         bi_sign=None):
+    """(logits [b, n, v] of the prediction slots, new memory or None)."""
     content, query = x["content_mask"], x["query_mask"]
     if hasattr(model, "two_stream"):  # an ordinary family: absolute / rotary positions, no memory
       if mems is not None:
@@ -296,10 +306,22 @@ class PermutationLM(Objective):
       logits, new_mems = model.apply(
           {"params": params}, x["tokens"], x["token_types"], content, query,
           x["target_mapping"], mems, bi_sign, train=train, rngs={"dropout": rng})  # [b, n, v]
-    loss, metrics = ops.weighted_cross_entropy(logits, x["target_ids"], x["target_mask"], z_loss=self.z_loss)
-    if mems is not None:
-      metrics = dict(metrics, state=new_mems)
-    return loss, metrics
+    return logits, new_mems
+
+  def predictions(self, model, params, batch, rng):
+    """Slot m predicts the raw token at its target position from what its query stream may see:
+    the tokens before it in the factorization order (and, in the XLNet layout, the row's text,
+    which may cross documents and include B from another row). No memory."""
+    feature_rng, dropout_rng = jax.random.split(rng)
+    x = self.features(batch, feature_rng)
+    logits, _ = self.logits_on_features(model, params, x, dropout_rng, train=False)
+    b, raw = batch["tokens"].shape
+    position = jnp.argmax(x["target_mapping"], axis=-1)  # [b, n], the model position of each slot
+    source = jnp.take_along_axis(x["source"], position, axis=1)  # [b, n]
+    query = jnp.take_along_axis(x["query_mask"], position[:, :, None], axis=1)  # [b, n, t]
+    from_raw = jax.nn.one_hot(x["source"], b * raw, dtype=jnp.float32)  # [b, t, b * raw]; -1 -> zeros
+    visible = jnp.einsum("bnt,btq->bnq", query.astype(jnp.float32), from_raw) > 0  # [b, n, b * raw]
+    return Predictions(logits, x["target_ids"], x["target_mask"], source, visible=visible)
 
   def loss(self, model, params, batch, rng, *, train, state=None):
     """`state` is the memory carried from the previous step (None: no memory, e.g. eval). With

@@ -320,7 +320,8 @@ def xlnet_rows(
     `tokens` [b, t] int32; `token_types` [b, t] int32 (0: reuse, A, first SEP; 1: B, second
     SEP; 2: CLS); `segment_ids` [b, t] int32, 1 on real positions and 0 on padding (the row is
     one text: attention crosses the stream's documents, as XLNet's does and as its memory
-    does); `is_func` [b, t] bool (the two SEPs and the CLS).
+    does); `is_func` [b, t] bool (the two SEPs and the CLS); `source` [b, t] int32, the flat raw
+    index (row * (t - 3) + column) each position's token comes from, -1 for SEP/CLS and padding.
   """
   b, raw = tokens.shape
   t = raw + 3
@@ -351,8 +352,9 @@ def xlnet_rows(
   real = jnp.where(is_func, jnp.any(segment_ids > 0, axis=1, keepdims=True), real_text)  # [b, t]
   out = jnp.where(is_sep, sep, jnp.where(is_cls, cls, jnp.where(real, text, pad)))
   token_types = jnp.where(p <= first_sep, 0, jnp.where(is_cls, 2, 1))
+  source = jnp.where(is_func | ~real, -1, source_row * raw + source_col)  # [b, t] flat raw index
   return {"tokens": out.astype(jnp.int32), "token_types": token_types.astype(jnp.int32),
-          "segment_ids": real.astype(jnp.int32), "is_func": is_func}
+          "segment_ids": real.astype(jnp.int32), "is_func": is_func, "source": source.astype(jnp.int32)}
 
 
 def bi_signs(batch_size: int) -> jax.Array:

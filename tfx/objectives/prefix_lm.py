@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from tfx import ops
-from tfx.objectives.base import Objective
+from tfx.objectives.base import Objective, Predictions, causal_visible, flat_positions
 from tfx.objectives.causal_lm import shift_right_by_segment
 from tfx.registry import OBJECTIVES
 
@@ -83,10 +83,21 @@ class PrefixLM(Objective):
   def bos_id(self) -> int:
     return self.ids.bos if self.ids.bos is not None else self.ids.eos
 
-  def loss(self, model, params, batch, rng, *, train):
+  def _forward(self, model, params, batch, rng, *, train):
     split_rng, dropout_rng = jax.random.split(rng)
     x = prefix_lm_inputs(batch, split_rng, self.bos_id)
     logits = model.apply(
         {"params": params}, x["inputs"], batch["segment_ids"], batch["positions"], mask=x["mask"],
         train=train, rngs={"dropout": dropout_rng})  # [b, t, v]
+    return logits, x
+
+  def loss(self, model, params, batch, rng, *, train):
+    logits, x = self._forward(model, params, batch, rng, train=train)
     return ops.weighted_cross_entropy(logits, x["targets"], x["weights"], z_loss=self.z_loss)
+
+  def predictions(self, model, params, batch, rng):
+    """A suffix token is predicted from the tokens before it in its document (the prefix, seen
+    bidirectionally, is all before it)."""
+    logits, x = self._forward(model, params, batch, rng, train=False)
+    return Predictions(logits, x["targets"], x["weights"], flat_positions(batch["segment_ids"]),
+                       visible=causal_visible(batch["segment_ids"]))

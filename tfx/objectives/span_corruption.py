@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from tfx import flops, ops
-from tfx.objectives.base import Objective, SpecialIds
+from tfx.objectives.base import Objective, Predictions, SpecialIds, flat_positions, spread_rows
 from tfx.objectives.causal_lm import shift_right_by_segment
 from tfx.registry import OBJECTIVES
 
@@ -156,7 +156,8 @@ def corrupt_with_mask(
     inputs_length, targets_length: static output lengths (EOS included); must be large enough.
   Returns:
     dict of [b, inputs_length] `inputs`, `input_segment_ids` and [b, targets_length] `targets`,
-    `target_segment_ids` (int32; segment 1 on real tokens and EOS, 0 on padding).
+    `target_segment_ids` (int32; segment 1 on real tokens and EOS, 0 on padding), and [b, L]
+    `target_index`: the decoder slot of each raw noise token (targets_length for the others).
   """
   b, _ = tokens.shape
   rows = jnp.arange(b)[:, None]
@@ -187,7 +188,8 @@ def corrupt_with_mask(
   inputs, input_segment_ids = finish(inputs, num_inputs, inputs_length)
   targets, target_segment_ids = finish(targets, num_targets, targets_length)
   return {"inputs": inputs, "input_segment_ids": input_segment_ids,
-          "targets": targets, "target_segment_ids": target_segment_ids}
+          "targets": targets, "target_segment_ids": target_segment_ids,
+          "target_index": jnp.where(target_index < targets_length, target_index, targets_length).astype(jnp.int32)}
 
 
 def span_corrupt(
@@ -270,7 +272,7 @@ class SpanCorruption(Objective):
         batch["tokens"], batch["segment_ids"], rng, ids=self.ids, noise_density=self.noise_density,
         mean_span_length=self.mean_span_length, inputs_length=max(self.inputs_length, need_inputs))
 
-  def loss(self, model, params, batch, rng, *, train):
+  def _forward(self, model, params, batch, rng, *, train):
     corrupt_rng, dropout_rng = jax.random.split(rng)
     x = self.corrupt(batch, corrupt_rng)
     input_positions = jnp.arange(x["inputs"].shape[1]) * x["input_segment_ids"]  # [b, s]
@@ -280,5 +282,24 @@ class SpanCorruption(Objective):
         {"params": params}, x["inputs"], x["input_segment_ids"], input_positions,
         decoder_inputs, x["target_segment_ids"], target_positions,
         train=train, rngs={"dropout": dropout_rng})  # [b, t, v]
+    return logits, x
+
+  def loss(self, model, params, batch, rng, *, train):
+    logits, x = self._forward(model, params, batch, rng, train=train)
     weights = x["target_segment_ids"].astype(jnp.float32)  # [b, t]
     return ops.weighted_cross_entropy(logits, x["targets"], weights, z_loss=self.z_loss)
+
+  def predictions(self, model, params, batch, rng):
+    """Target slot j predicts a noise token (sentinels and EOS: source -1) from the row's other
+    tokens (T5 treats the row as one stream) except the noise tokens of slots j and later."""
+    logits, x = self._forward(model, params, batch, rng, train=False)
+    b, raw = batch["tokens"].shape
+    slots = x["targets"].shape[1]
+    rank = x["target_index"]  # [b, raw], slot of each noise token (slots = none)
+    flat = flat_positions(batch["segment_ids"])  # [b, raw]
+    rows = jnp.arange(b)[:, None]
+    source = jnp.full((b, slots + 1), -1, jnp.int32).at[rows, rank].set(flat)[:, :slots]  # [b, slots]
+    later = (rank[:, None, :] < slots) & (rank[:, None, :] >= jnp.arange(slots)[None, :, None])  # [b, slots, raw]
+    visible = (batch["segment_ids"][:, None, :] > 0) & ~later
+    return Predictions(logits, x["targets"], x["target_segment_ids"].astype(jnp.float32), source,
+                       visible=spread_rows(visible))

@@ -1,0 +1,163 @@
+"""tfx.check_objective: it catches planted leaks, and every shipped objective passes it.
+
+The planted leaks live in a file outside the package (loaded as `path.py:Class`, as a user's
+objective would be); each must fail exactly the check that names its leak.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import ROOT, tiny_config
+from tfx import check_objective
+from tfx.config import load_config
+
+LEAKS = textwrap.dedent('''
+    """Objectives with planted leaks, for tests/test_check_objective.py."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from tfx.objectives import Objective
+    from tfx.objectives.causal_lm import CausalLM
+    from tfx.objectives.masked_lm import MaskedLM
+    from tfx.objectives.permutation_lm import PermutationLM
+    from tfx.objectives.span_corruption import SpanCorruption
+
+
+    @dataclasses.dataclass(frozen=True)
+    class PeekingMLM(MaskedLM):
+      """Leaves the original token in place at a fifth of the masked positions."""
+
+      def mask(self, batch, rng, *, return_kept=False):
+        out = super().mask(batch, rng, return_kept=return_kept)
+        inputs, targets, weights = out[:3]
+        leak = (weights > 0) & (jax.random.uniform(jax.random.fold_in(rng, 1), inputs.shape) < 0.2)
+        return (jnp.where(leak, targets, inputs), targets, weights, *out[3:])
+
+
+    @dataclasses.dataclass(frozen=True)
+    class UnshiftedCausalLM(CausalLM):
+      """Feeds the targets themselves: inputs shifted one token too few."""
+
+      def _forward(self, model, params, batch, rng, *, train):
+        logits = model.apply({"params": params}, batch["tokens"], batch["segment_ids"], batch["positions"],
+                             train=train, rngs={"dropout": rng})
+        return logits, {"targets": batch["tokens"], "weights": (batch["segment_ids"] > 0).astype(jnp.float32)}
+
+
+    @dataclasses.dataclass(frozen=True)
+    class InputsHoldTargets(SpanCorruption):
+      """The encoder reads the raw row itself, so the noise tokens it must predict are in its inputs."""
+
+      def corrupt(self, batch, rng):
+        x = super().corrupt(batch, rng)
+        s = x["inputs"].shape[1]
+        return dict(x, inputs=batch["tokens"][:, :s].astype(jnp.int32),
+                    input_segment_ids=(batch["segment_ids"][:, :s] > 0).astype(jnp.int32))
+
+
+    @dataclasses.dataclass(frozen=True)
+    class QuerySeesItself(PermutationLM):
+      """The query stream gets the content stream's mask, which includes each position itself."""
+
+      def features(self, batch, rng):
+        x = super().features(batch, rng)
+        return dict(x, query_mask=x["content_mask"])
+
+
+    @dataclasses.dataclass(frozen=True)
+    class NoPredictions(Objective):
+      """Implements loss only."""
+
+      families = ("decoder",)
+
+      def loss(self, model, params, batch, rng, *, train):
+        return CausalLM(ids=self.ids).loss(model, params, batch, rng, train=train)
+''')
+
+
+@pytest.fixture(scope="module")
+def leaks(tmp_path_factory) -> str:
+  path = tmp_path_factory.mktemp("leaks") / "leaky_objectives.py"
+  path.write_text(LEAKS)
+  return str(path)
+
+
+def _results(config_file: str, *overrides: str, family: str = ""):
+  config = load_config(os.path.join(ROOT, "configs", config_file), list(overrides))
+  results = check_objective.check(config, (family,) if family else ())
+  return {r.check: r for r in results}
+
+
+@pytest.mark.parametrize("config_file, cls, family, failing", [
+    ("bert_tiny.py", "PeekingMLM", "encoder", "target hidden from its own prediction"),
+    ("tiny.py", "UnshiftedCausalLM", "decoder", "target hidden from its own prediction"),
+    ("t5_tiny.py", "InputsHoldTargets", "encoder_decoder", "target hidden from its own prediction"),
+    ("xlnet_tiny.py", "QuerySeesItself", "xlnet", "target hidden from its own prediction"),
+])
+def test_planted_leaks_are_caught(leaks, config_file, cls, family, failing):
+  by_check = _results(config_file, f"--config.objective.name={leaks}:{cls}", family=family)
+  assert by_check[failing].ok is False, check_objective.table(list(by_check.values()))
+  assert "first: row" in by_check[failing].detail  # says where
+  # Everything that is not about the leak still passes: the checker points at the leak, not around it.
+  assert by_check["padding changes nothing"].ok and by_check["jit (static shapes)"].ok
+
+
+def test_an_objective_without_predictions_is_reported(leaks):
+  by_check = _results("tiny.py", f"--config.objective.name={leaks}:NoPredictions")
+  assert by_check["predictions() implemented"].ok is False
+  assert by_check["jit (static shapes)"].ok
+
+
+def test_the_command_exits_non_zero_with_a_table(leaks):
+  out = subprocess.run([sys.executable, "-m", "tfx.check_objective", "--config", "configs/tiny.py",
+                        f"--config.objective.name={leaks}:UnshiftedCausalLM"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert "target hidden from its own prediction" in out.stdout and "FAIL" in out.stdout
+  assert "mesh invariance 1 vs 2x2x2" in out.stdout  # the command runs on 8 fake devices
+
+
+SHIPPED = [("tiny.py", ()), ("tiny.py", ("--config.objective.name=prefix_lm",)), ("bert_tiny.py", ()),
+           ("t5_tiny.py", ()), ("xlnet_tiny.py", ())]
+
+
+def test_every_shipped_objective_passes_on_every_family_and_8_devices():
+  """One process with 8 fake devices checks every built-in objective on every family it drives."""
+  script = textwrap.dedent(f'''
+      import json, os, sys
+      sys.path.insert(0, {ROOT!r})
+      from tfx import check_objective
+      from tfx.config import load_config
+      out = []
+      for name, overrides in {SHIPPED!r}:
+        config = load_config(os.path.join({ROOT!r}, "configs", name), list(overrides))
+        for r in check_objective.check(config):
+          out.append([config.objective.name, r.family, r.check, r.ok, r.detail])
+      print("RESULTS " + json.dumps(out))
+  ''')
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, env=env,
+                        timeout=1200)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = json.loads(proc.stdout.split("RESULTS ", 1)[1])
+  failed = [r for r in rows if r[3] is False]
+  assert not failed, failed
+  families = {(r[0], r[1]) for r in rows}
+  assert families == {("causal_lm", "decoder"), ("prefix_lm", "decoder"), ("masked_lm", "encoder"),
+                      ("span_corruption", "encoder_decoder"), ("permutation_lm", "xlnet"),
+                      ("permutation_lm", "encoder")}
+  skipped = [r for r in rows if r[3] is None and r[0] != "causal_lm"]
+  assert not skipped, skipped  # the mesh check ran (8 devices) and every random objective changes with its key
+  assert sum(r[2] == "mesh invariance 1 vs 2x2x2" and r[3] for r in rows) == len(families)
+
+
+def test_a_family_the_objective_does_not_drive_is_refused():
+  with pytest.raises(Exception, match="does not drive family 'encoder'"):
+    check_objective.check(tiny_config(), ("encoder",))

@@ -1,0 +1,389 @@
+"""Leak and sanity checker for any objective, built-in or user-written.
+
+    python -m tfx.check_objective --config configs/bert_tiny.py
+    python -m tfx.check_objective --config configs/tiny.py --config.objective.name=my_objective.py:MyObjective
+
+For each model family the objective drives, on a tiny random model (2 layers, d_model 64) and a
+synthetic batch of packed documents, on the CPU:
+
+- information flow: every prediction (`Objective.predictions`) is recomputed with each raw token
+  replaced, one at a time, by another ordinary token (same word-start flag, so that whole-word and
+  word-span sampling do not move), with the objective's key fixed. A prediction whose logits change
+  when its own token changes leaks its target (unless the objective declares that it shows it, as
+  BERT's kept 10% do); one that changes with a token it may not see (`Predictions.visible`: later
+  tokens of the factorization order, later targets) or with a token of another document is
+  reported too. Perturbation rather than Jacobians: the objectives' inputs are integer ids built by
+  integer ops (masks, gathers, sentinels), which have no gradient, and an exact comparison of the
+  logits catches a dependency of any size. The check fails as vacuous if no prediction depends on
+  any token.
+- padding: filling every padding position (segment 0) with random ids changes neither the loss nor
+  the gradients (bitwise), and padding rows make no prediction;
+- the loss jit-compiles with static shapes and no host callback; the same key gives the same loss
+  bitwise; different keys give different masks; the loss of a random model is near the objective's
+  `initial_loss` (ln vocabulary for token prediction);
+- mesh invariance: the loss is the same on 1 device and on 8 devices as a (2, 2, 2) mesh.
+
+It prints a table (check, result, the first offending row and position) and exits 1 on any failure.
+The 8-device check needs XLA_FLAGS=--xla_force_host_platform_device_count=8, which the command sets
+itself when it starts jax.
+"""
+
+import dataclasses
+import os
+import sys
+from typing import Any, Callable
+
+_DEVICES = 8
+if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_DEVICES}")
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tfx import config as config_lib, parallel  # noqa: E402
+from tfx.errors import UserError  # noqa: E402
+from tfx.objectives.base import Objective, Predictions, SpecialIds, family_matches, placeholder_ids  # noqa: E402
+
+VOCAB = 512
+BATCH = 4  # rows: three with packed documents, the last half padding
+CALLBACKS = ("callback", "outside_call", "host_call")
+
+
+@dataclasses.dataclass
+class Result:
+  """One row of the report: ok None = skipped (the detail says why)."""
+
+  family: str
+  check: str
+  ok: bool | None
+  detail: str = ""
+
+
+# ----------------------------------------------------------------------------- set-up
+
+
+def tiny_config(config: ml_collections.ConfigDict, family: str) -> ml_collections.ConfigDict:
+  """The config with a tiny float32 model of `family` and no dropout (objective settings unchanged)."""
+  c = ml_collections.ConfigDict(config.to_dict())
+  m = c.model
+  m.family = family
+  m.num_layers, m.num_decoder_layers, m.d_model, m.num_heads, m.head_dim, m.d_ff = 2, 0, 64, 4, 0, 128
+  m.dropout, m.attention_dropout, m.dtype, m.remat = 0.0, 0.0, "float32", "none"
+  if m.get("attention", "auto") in ("auto", "cudnn"):
+    m.attention = "xla"
+  if family == "xlnet" and m.get("mem_len", 0):
+    m.mem_len = min(m.mem_len, 16)
+  c.data.vocab_size = VOCAB
+  c.train.batch_size, c.train.grad_accum = BATCH, 1
+  if family != config.model.family:  # another family the objective drives: its own position / memory options
+    if m.position == "relative" and family != "encoder_decoder":
+      m.position = "learned"
+    if family != "xlnet":
+      m.mem_len = 0
+  return c
+
+
+def synthetic_word_start(ids: SpecialIds, rng: np.random.Generator) -> np.ndarray:
+  """bool [v]: about 70% of the ordinary ids start a word; special ids always do."""
+  start = rng.random(ids.vocab_size) < 0.7
+  start[list(_special(ids))] = True
+  return start
+
+
+def _special(ids: SpecialIds) -> set[int]:
+  named = (ids.pad, ids.eos, ids.bos, ids.unk, ids.mask, ids.cls, ids.sep)
+  return {i for i in (*ids.special, *ids.sentinels, *named) if i is not None}
+
+
+def synthetic_batch(ids: SpecialIds, raw_length: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+  """[BATCH, raw_length] rows of packed documents (each ending in EOS): rows 0-2 full with 2-3
+  documents, row 3 half full then padding; `segment_ids` (0 = padding) and `positions`."""
+  ordinary = np.array(sorted(set(range(ids.vocab_size)) - _special(ids)), np.int32)
+  tokens = np.full((BATCH, raw_length), ids.pad, np.int32)
+  segments = np.zeros((BATCH, raw_length), np.int32)
+  positions = np.zeros((BATCH, raw_length), np.int32)
+  for row in range(BATCH):
+    end = raw_length if row < BATCH - 1 else raw_length // 2
+    cuts = sorted(rng.choice(np.arange(4, end - 3), size=min(2, max(end - 7, 0)), replace=False).tolist())
+    bounds = [0, *cuts[: 1 + row % 2], end]
+    for doc, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]), start=1):
+      tokens[row, a:b] = rng.choice(ordinary, size=b - a)
+      tokens[row, b - 1] = ids.eos
+      segments[row, a:b] = doc
+      positions[row, a:b] = np.arange(b - a)
+  return {"tokens": tokens, "segment_ids": segments, "positions": positions}
+
+
+@dataclasses.dataclass
+class Setup:
+  config: ml_collections.ConfigDict
+  objective: Any
+  model: Any
+  params: Any
+  batch: dict[str, np.ndarray]
+  ids: SpecialIds
+  word_start: np.ndarray
+  state: Any
+  mesh: Any
+
+
+def build(config: ml_collections.ConfigDict, family: str, seed: int = 0, devices=None,
+          mesh_shape: tuple[int, int, int] = (1, 1, 1)) -> Setup:
+  """The objective, a tiny random model of `family` and a synthetic batch, on a mesh of `devices`
+  (default: the first device) shaped (data, fsdp, tensor) = `mesh_shape`."""
+  from tfx import train
+  from tfx.models import build_model
+
+  c = tiny_config(config, family)
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh_shape
+  rng = np.random.default_rng(seed)
+  ids = placeholder_ids(VOCAB)
+  objective = config_lib.objective_class(c.objective.name).from_config(c.objective, ids)
+  word_start = synthetic_word_start(ids, rng)
+  if objective.needs_word_start():
+    objective = objective.with_word_start(tuple(bool(x) for x in word_start))
+  seq_len = c.data.seq_len
+  model = build_model(c.model, vocab_size=VOCAB, max_length=seq_len)
+  mesh = parallel.make_mesh(c.mesh, devices or jax.devices()[:1])
+  tx, _ = train.make_optimizer(c)
+  _, shardings = train.state_shardings(model, tx, mesh, seq_len, objective, BATCH)
+  state = train.init_state(model, tx, mesh, seq_len, seed, shardings, objective, BATCH)
+  batch = synthetic_batch(ids, objective.raw_length(seq_len), rng)
+  return Setup(c, objective, model, state.params, batch, ids, word_start, state.objective_state, mesh)
+
+
+def _loss_fn(s: Setup) -> Callable:
+  extra = {"state": s.state} if s.objective.stateful else {}
+
+  def loss(params, batch, key):
+    value, metrics = s.objective.loss(s.model, params, batch, key, train=True, **extra)
+    return value, metrics["num_tokens"]
+
+  return loss
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_compiles(s: Setup) -> list[Result]:
+  """Static shapes under jit, no host callback, the same key gives the same loss bitwise."""
+  fam, loss = s.config.model.family, _loss_fn(s)
+  key = jax.random.key(1)
+  try:
+    jaxpr = jax.make_jaxpr(loss)(s.params, s.batch, key)
+  except Exception as e:  # noqa: BLE001 — any trace failure is the finding
+    return [Result(fam, "jit (static shapes)", False, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")]
+  found = sorted({p for p in _primitives(jaxpr.jaxpr) if any(c in p for c in CALLBACKS)})
+  out = [Result(fam, "jit (static shapes)", True, "traced and compiled"),
+         Result(fam, "no host callback", not found, ", ".join(found) or "none in the jaxpr")]
+  jitted = jax.jit(loss)
+  a, b = jax.device_get(jitted(s.params, s.batch, key)), jax.device_get(jitted(s.params, s.batch, key))
+  same = np.array_equal(np.asarray(a[0]), np.asarray(b[0]))
+  out.append(Result(fam, "same key, same loss", same, f"{float(a[0]):.7g}" + ("" if same else f" vs {float(b[0]):.7g}")))
+  return out
+
+
+def _primitives(jaxpr) -> set[str]:
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (list, tuple)) else (value,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          names |= _primitives(inner)
+  return names
+
+
+def check_keys_and_initial_loss(s: Setup, predict: Callable) -> list[Result]:
+  fam = s.config.model.family
+  out = []
+  if s.objective.uses_rng:
+    a, b = predict(s.params, s.batch, jax.random.key(1)), predict(s.params, s.batch, jax.random.key(2))
+    differ = any(not np.array_equal(np.asarray(x), np.asarray(y)) for x, y in
+                 zip(_mask_fields(a), _mask_fields(b)))
+    out.append(Result(fam, "different keys, different masks", differ,
+                      "weights / sources / visibility differ" if differ else "keys 1 and 2 predict the same tokens "
+                      "from the same context: the masks ignore the key"))
+  else:
+    out.append(Result(fam, "different keys, different masks", None, "deterministic objective (uses_rng = False)"))
+  value, _ = jax.jit(_loss_fn(s))(s.params, s.batch, jax.random.key(3))
+  expected = s.objective.initial_loss(VOCAB)
+  ok = abs(float(value) - expected) <= 0.1 * expected
+  out.append(Result(fam, "initial loss near expected", ok, f"{float(value):.4f} vs {expected:.4f}"
+                    + ("" if ok else " (more than 10% off: are the logits scaled, or the targets wrong?)")))
+  return out
+
+
+def _mask_fields(p: Predictions) -> list:
+  return [x for x in (p.weights, p.source, p.sees_self, p.visible, p.targets) if x is not None]
+
+
+def check_information_flow(s: Setup, predict: Callable) -> list[Result]:
+  """Perturb each raw token; report predictions that depend on what they may not see."""
+  fam = s.config.model.family
+  key = jax.random.key(7)
+  base = jax.device_get(predict(s.params, s.batch, key))
+  tokens, segments = s.batch["tokens"], s.batch["segment_ids"]
+  b, raw = tokens.shape
+  logits = np.asarray(base.logits)
+  weights = np.asarray(base.weights) > 0  # [b, n]
+  source = np.asarray(base.source)  # [b, n]
+  sees_self = np.zeros_like(weights) if base.sees_self is None else np.asarray(base.sees_self)
+  visible = None if base.visible is None else np.asarray(base.visible)  # [b, n, b * raw]
+  ordinary = np.array(sorted(set(range(VOCAB)) - _special(s.ids)))
+  rng = np.random.default_rng(11)
+  flat_segment = segments.reshape(-1)
+  findings = {"own token": None, "hidden token": None, "other document": None}
+  counts = {k: 0 for k in findings}
+  dependencies = 0
+  for q in np.flatnonzero((flat_segment > 0) & np.isin(tokens.reshape(-1), ordinary)):
+    row, col = divmod(int(q), raw)
+    old = tokens[row, col]
+    pool = ordinary[(s.word_start[ordinary] == s.word_start[old]) & (ordinary != old)]
+    perturbed = dict(s.batch, tokens=tokens.copy())
+    perturbed["tokens"][row, col] = rng.choice(pool)
+    changed = np.any(np.asarray(jax.device_get(predict(s.params, perturbed, key).logits)) != logits, axis=-1)
+    changed &= weights  # [b, n]
+    dependencies += int(changed.sum())
+    for r, m in zip(*np.nonzero(changed)):
+      src = int(source[r, m])
+      if src == q:
+        kind = None if sees_self[r, m] else "own token"
+      elif visible is not None:
+        kind = None if visible[r, m, q] else ("other document" if _other_doc(src, q, r, raw, flat_segment)
+                                               else "hidden token")
+      else:
+        kind = "other document" if src < 0 or _other_doc(src, q, r, raw, flat_segment) else None
+      if kind:
+        counts[kind] += 1
+        if findings[kind] is None:
+          findings[kind] = (f"row {r} slot {m} (predicts raw position {_where(src, raw)}) changes with raw position "
+                            f"{_where(int(q), raw)}")
+  names = {"own token": "target hidden from its own prediction",
+           "hidden token": "no hidden token seen (order, later targets)",
+           "other document": "no prediction crosses a document"}
+  out = [Result(fam, names[k], counts[k] == 0, f"{counts[k]} dependencies; first: {findings[k]}" if counts[k] else
+                f"{int(weights.sum())} predictions checked") for k in names]
+  out.append(Result(fam, "predictions depend on the input", dependencies > 0,
+                    f"{dependencies} (prediction, token) dependencies found" if dependencies else
+                    "no prediction changed with any token: the information-flow checks above are vacuous"))
+  return out
+
+
+def _other_doc(src: int, q: int, row: int, raw: int, flat_segment: np.ndarray) -> bool:
+  """Whether raw position q is outside the document of the prediction (its source's, or its row)."""
+  if src < 0:
+    return q // raw != row
+  return q // raw != src // raw or flat_segment[q] != flat_segment[src]
+
+
+def _where(flat: int, raw: int) -> str:
+  return "none" if flat < 0 else f"(row {flat // raw}, {flat % raw})"
+
+
+def check_padding(s: Setup, predict: Callable) -> list[Result]:
+  """Random ids in every padding position change neither the loss nor the gradients, bitwise."""
+  fam = s.config.model.family
+  noisy = dict(s.batch, tokens=s.batch["tokens"].copy())
+  pad = s.batch["segment_ids"] == 0
+  noisy["tokens"][pad] = np.random.default_rng(5).integers(0, VOCAB, size=int(pad.sum()))
+  grad_fn = jax.jit(jax.value_and_grad(lambda p, b, k: _loss_fn(s)(p, b, k)[0]))
+  key = jax.random.key(9)
+  (l1, g1), (l2, g2) = jax.device_get(grad_fn(s.params, s.batch, key)), jax.device_get(grad_fn(s.params, noisy, key))
+  grads_same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)))
+  same = bool(np.array_equal(l1, l2)) and grads_same
+  detail = "loss and gradients bitwise equal" if same else (
+      f"loss {float(l1):.7g} -> {float(l2):.7g}" + ("" if grads_same else ", gradients differ"))
+  base = jax.device_get(predict(s.params, s.batch, key))
+  weights, source = np.asarray(base.weights) > 0, np.asarray(base.source)
+  raw = s.batch["tokens"].shape[1]
+  flat_segment = s.batch["segment_ids"].reshape(-1)
+  bad = [(r, m) for r, m in zip(*np.nonzero(weights)) if source[r, m] >= 0 and flat_segment[source[r, m]] == 0]
+  return [Result(fam, "padding changes nothing", same, detail),
+          Result(fam, "padding is never predicted", not bad, f"row {bad[0][0]} slot {bad[0][1]} predicts padding at "
+                 f"{_where(int(source[bad[0]]), raw)}" if bad else "no prediction of a padding position")]
+
+
+def check_mesh(config: ml_collections.ConfigDict, family: str, seed: int) -> Result:
+  """The loss on one device equals the loss on a (2, 2, 2) mesh of 8 devices."""
+  if jax.device_count() < _DEVICES:
+    return Result(family, "mesh invariance 1 vs 2x2x2", None,
+                  f"needs {_DEVICES} devices (XLA_FLAGS=--xla_force_host_platform_device_count={_DEVICES})")
+  values = []
+  for shape, devices in (((1, 1, 1), jax.devices()[:1]), ((2, 2, 2), jax.devices()[:_DEVICES])):
+    s = build(config, family, seed, devices=devices, mesh_shape=shape)
+    with parallel.context(s.mesh):
+      value, _ = jax.jit(_loss_fn(s))(s.params, parallel.global_batch(s.batch, s.mesh), jax.random.key(4))
+    values.append(float(value))
+  ok = abs(values[0] - values[1]) <= 1e-5 * max(abs(values[0]), 1.0)
+  return Result(family, "mesh invariance 1 vs 2x2x2", ok, f"{values[0]:.7g} vs {values[1]:.7g}")
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def check(config: ml_collections.ConfigDict, families: tuple[str, ...] = (), seed: int = 0) -> list[Result]:
+  """Every check for every family the objective drives (or `families`)."""
+  cls = config_lib.objective_class(config.objective.name)
+  families = families or tuple(cls.families)
+  for family in families:
+    if not family_matches(family, cls.families):
+      raise UserError(f"objective {config.objective.name!r} does not drive family {family!r}; it drives "
+                      f"{', '.join(cls.families)}")
+  results = []
+  for family in families:
+    try:
+      config_lib.validate(tiny_config(config, family), num_devices=1)
+    except config_lib.ConfigError as e:
+      results.append(Result(family, "config for this family", None, " ".join(str(e).split())[:200]))
+      continue
+    try:
+      results += _check_family(config, cls, family, seed)
+    except Exception as e:  # noqa: BLE001 — a user's objective that crashes is a finding, not a traceback
+      results.append(Result(family, "checker ran", False, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"))
+  return results
+
+
+def _check_family(config, cls, family: str, seed: int) -> list[Result]:
+  s = build(config, family, seed)
+  if type(s.objective).predictions is Objective.predictions:
+    return [Result(family, "predictions() implemented", False, "the objective does not implement predictions(), "
+                   "so what it predicts from what cannot be checked"), *check_compiles(s)]
+  predict = jax.jit(lambda p, b, k: s.objective.predictions(s.model, p, b, k))
+  return [*check_compiles(s), *check_keys_and_initial_loss(s, predict), *check_information_flow(s, predict),
+          *check_padding(s, predict), check_mesh(config, family, seed)]
+
+
+def table(results: list[Result]) -> str:
+  rows = [("family", "check", "result", "detail")]
+  rows += [(r.family, r.check, {True: "ok", False: "FAIL", None: "skip"}[r.ok], r.detail) for r in results]
+  widths = [max(len(row[i]) for row in rows) for i in range(3)]
+  lines = ["  ".join(row[i].ljust(widths[i]) for i in range(3)) + "  " + row[3] for row in rows]
+  return "\n".join([lines[0], "-" * min(max(map(len, lines)), 120), *lines[1:]])
+
+
+def main(argv: list[str] | None = None) -> None:
+  import argparse
+
+  parser = argparse.ArgumentParser(prog="python -m tfx.check_objective", description=__doc__.split("\n")[0])
+  parser.add_argument("--config", required=True, help="config file whose objective is checked")
+  parser.add_argument("--family", action="append", default=[], help="only this family (repeatable)")
+  parser.add_argument("--seed", type=int, default=0)
+  args, overrides = parser.parse_known_args(argv)
+  try:
+    config = config_lib.load_config(args.config, overrides)
+    results = check(config, tuple(args.family), args.seed)
+  except UserError as e:
+    sys.exit(f"tfx.check_objective: {e}")
+  print(f"objective {config.objective.name}: {sum(r.ok is True for r in results)} ok, "
+        f"{sum(r.ok is False for r in results)} failed, {sum(r.ok is None for r in results)} skipped\n")
+  print(table(results))
+  if any(r.ok is False for r in results):
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  main()
