@@ -125,7 +125,9 @@ def test_the_command_exits_non_zero_with_a_table(leaks):
 
 
 SHIPPED = [("tiny.py", ()), ("tiny.py", ("--config.objective.name=prefix_lm",)), ("bert_tiny.py", ()),
-           ("t5_tiny.py", ()), ("xlnet_tiny.py", ())]
+           ("t5_tiny.py", ()), ("xlnet_tiny.py", ()), ("bart_tiny.py", ()), ("ul2_tiny.py", ()),
+           ("ul2_tiny.py", ("--config.model.family=decoder", "--config.model.position=rotary",
+                            "--config.objective.layout=decoder"))]
 
 
 def test_every_shipped_objective_passes_on_every_family_and_8_devices():
@@ -149,10 +151,12 @@ def test_every_shipped_objective_passes_on_every_family_and_8_devices():
   rows = json.loads(proc.stdout.split("RESULTS ", 1)[1])
   failed = [r for r in rows if r[3] is False]
   assert not failed, failed
+  rows = [r for r in rows if r[2] != "config for this family"]  # ul2's layout field picks one family per config
   families = {(r[0], r[1]) for r in rows}
   assert families == {("causal_lm", "decoder"), ("prefix_lm", "decoder"), ("masked_lm", "encoder"),
                       ("span_corruption", "encoder_decoder"), ("permutation_lm", "xlnet"),
-                      ("permutation_lm", "encoder")}
+                      ("permutation_lm", "encoder"), ("text_infilling", "encoder_decoder"),
+                      ("ul2", "encoder_decoder"), ("ul2", "decoder")}
   skipped = [r for r in rows if r[3] is None and r[0] != "causal_lm"]
   assert not skipped, skipped  # the mesh check ran (8 devices) and every random objective changes with its key
   assert sum(r[2] == "mesh invariance 1 vs 2x2x2" and r[3] for r in rows) == len(families)

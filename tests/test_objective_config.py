@@ -35,6 +35,7 @@ MY_OBJECTIVE = textwrap.dedent('''
       label: str = "x"  # a trailing comment documents a field too
 
       families = ("decoder",)
+      uses_rng = False  # no masks drawn from the key (tfx.check_objective would flag a key that changes nothing)
 
       def forward(self, model, params, batch, rng, *, train):
         x = causal_lm_inputs(batch, self.ids.bos if self.ids.bos is not None else self.ids.eos)
