@@ -220,6 +220,19 @@ def span_corrupt(
                            targets_length=targets_length)
 
 
+def seq2seq_logits(model, params, x: dict[str, jax.Array], rng: jax.Array, *, train: bool, start_id: int
+                   ) -> jax.Array:
+  """[b, t, v] logits of an encoder-decoder on `inputs` / `targets` with their segment ids (the
+  `corrupt_with_mask` keys), teacher-forced: decoder input = targets shifted right, `start_id` first."""
+  input_positions = jnp.arange(x["inputs"].shape[1]) * x["input_segment_ids"]  # [b, s]
+  target_positions = jnp.arange(x["targets"].shape[1]) * x["target_segment_ids"]  # [b, t]
+  decoder_inputs = shift_right_by_segment(x["targets"], x["target_segment_ids"], start_id)  # [b, t]
+  return model.apply(
+      {"params": params}, x["inputs"], x["input_segment_ids"], input_positions,
+      decoder_inputs, x["target_segment_ids"], target_positions,
+      train=train, rngs={"dropout": rng})  # [b, t, v]
+
+
 @OBJECTIVES.register("span_corruption")
 @dataclasses.dataclass(frozen=True)
 class SpanCorruption(Objective):
@@ -275,14 +288,7 @@ class SpanCorruption(Objective):
   def _forward(self, model, params, batch, rng, *, train):
     corrupt_rng, dropout_rng = jax.random.split(rng)
     x = self.corrupt(batch, corrupt_rng)
-    input_positions = jnp.arange(x["inputs"].shape[1]) * x["input_segment_ids"]  # [b, s]
-    target_positions = jnp.arange(x["targets"].shape[1]) * x["target_segment_ids"]  # [b, t]
-    decoder_inputs = shift_right_by_segment(x["targets"], x["target_segment_ids"], self.ids.pad)  # [b, t]
-    logits = model.apply(
-        {"params": params}, x["inputs"], x["input_segment_ids"], input_positions,
-        decoder_inputs, x["target_segment_ids"], target_positions,
-        train=train, rngs={"dropout": dropout_rng})  # [b, t, v]
-    return logits, x
+    return seq2seq_logits(model, params, x, dropout_rng, train=train, start_id=self.ids.pad), x
 
   def loss(self, model, params, batch, rng, *, train):
     logits, x = self._forward(model, params, batch, rng, train=train)

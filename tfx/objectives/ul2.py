@@ -63,7 +63,7 @@ import jax.numpy as jnp
 from tfx import flops, ops
 from tfx.objectives.base import Objective, Predictions, SpecialIds, family_matches
 from tfx.objectives.causal_lm import shift_right_by_segment
-from tfx.objectives.span_corruption import corrupt_with_mask, noise_counts, noise_masks
+from tfx.objectives.span_corruption import corrupt_with_mask, noise_counts, noise_masks, seq2seq_logits
 from tfx.registry import OBJECTIVES
 
 MODES = ("R", "S", "X")  # mode token of MODES[i] = ids.sentinels[-3 + i]
@@ -381,13 +381,7 @@ class UL2(Objective):
           {"params": params}, shift_right_by_segment(rows["tokens"], segment_ids, self.bos_id), segment_ids,
           positions, mask=mask, train=train, rngs={"dropout": dropout_rng})  # [b, t, v]
     else:
-      input_positions = jnp.arange(x["inputs"].shape[1]) * x["input_segment_ids"]  # [b, s]
-      target_positions = jnp.arange(x["targets"].shape[1]) * x["target_segment_ids"]  # [b, t]
-      decoder_inputs = shift_right_by_segment(x["targets"], x["target_segment_ids"], self.ids.pad)  # [b, t]
-      logits = model.apply(
-          {"params": params}, x["inputs"], x["input_segment_ids"], input_positions,
-          decoder_inputs, x["target_segment_ids"], target_positions,
-          train=train, rngs={"dropout": dropout_rng})  # [b, t, v]
+      logits = seq2seq_logits(model, params, x, dropout_rng, train=train, start_id=self.ids.pad)  # [b, t, v]
     return logits, rows, corrupt_rng
 
   def loss(self, model, params, batch, rng, *, train):
