@@ -52,10 +52,6 @@ class Registry:
                        f"path/to/file.py:ClassName or package.module:ClassName)")
     return self._items[name]
 
-  def name_of(self, obj: Any) -> str | None:
-    """The registered name of `obj` (None if it is not registered)."""
-    return next((n for n, o in self._items.items() if o is obj), None)
-
   def names(self) -> list[str]:
     return sorted(self._items)
 
@@ -93,15 +89,6 @@ def split_spec(spec: str) -> tuple[str, str]:
 def spec_is_file(spec: str) -> bool:
   where, _ = split_spec(spec)
   return where.endswith(".py") or os.sep in where or "/" in where
-
-
-def spec_source(spec: str) -> str | None:
-  """The source file `spec` is loaded from (None when it has none, e.g. a builtin)."""
-  where, _ = split_spec(spec)
-  if spec_is_file(spec):
-    return os.path.abspath(where)
-  found = importlib.util.find_spec(where)
-  return found.origin if found is not None else None
 
 
 def load_spec(spec: str, kind: str = "plug-in") -> Any:
