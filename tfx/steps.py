@@ -1,0 +1,191 @@
+"""The pieces of a training step, shared by tfx.train, tfx.finetune, tfx.bench and the checker.
+
+  Experiment        everything built from a config before anything is compiled
+  make_optimizer    AdamW + warmup/cosine schedule + clipping (decay on matrices only)
+  state_shardings / init_state   the train state, created directly in its sharded layout
+  make_train_step / make_eval_step / evaluate   the jitted steps and the token-weighted eval
+"""
+
+import dataclasses
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from tfx import parallel
+from tfx.data import DataPipeline
+from tfx.objectives import Objective
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array  # int32 scalar: optimizer steps taken
+  params: Any
+  opt_state: Any
+  rng: jax.Array  # uint32 key data; the key of step s is fold_in(rng, s)
+  objective_state: Any = None  # state a stateful objective carries between steps (XLNet memory)
+
+
+
+@dataclasses.dataclass
+class Experiment:
+  """Everything built from the config before anything is compiled."""
+
+  config: ml_collections.ConfigDict
+  workdir: str
+  tokenizer: Any
+  objective: Objective
+  model: nn.Module
+  pipeline: DataPipeline
+  mesh: jax.sharding.Mesh
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  corpus: dict = dataclasses.field(default_factory=dict)  # the store's identity, in every checkpoint
+
+
+def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """AdamW with linear warmup and cosine decay; clipping; decay on matrices only."""
+  o, steps = config.optim, config.train.steps
+  warmup = min(o.warmup_steps, max(steps - 1, 0))
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=o.learning_rate, warmup_steps=warmup,
+      decay_steps=max(steps, warmup + 1), end_value=o.learning_rate * o.final_lr_fraction)
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
+  parts.append(optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask))
+  return optax.chain(*parts), schedule
+
+
+
+# ============================================================================ state
+
+
+def _init_fn(model: nn.Module, tx: optax.GradientTransformation, seq_len: int, objective=None, batch_size: int = 1):
+  """rng -> TrainState with boxed (logically partitioned) params and objective state."""
+  inputs = type(model).init_inputs(1, seq_len)
+
+  def init(rng):
+    params_rng, state_rng = jax.random.split(rng)
+    params = model.init({"params": params_rng, "dropout": params_rng}, **inputs)["params"]
+    objective_state = objective.init_state(batch_size, model.cfg) if objective is not None else None
+    if objective_state is not None:
+      objective_state = jax.tree.map(nn.LogicallyPartitioned, objective_state, objective.state_axes())
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      rng=jax.random.key_data(state_rng), objective_state=objective_state)
+
+  return init
+
+
+def state_shardings(model: nn.Module, tx, mesh, seq_len: int, objective=None, batch_size: int = 1):
+  """(abstract unboxed state, NamedShardings) from the logical axis names, without computing."""
+  with parallel.context(mesh):
+    boxed = jax.eval_shape(_init_fn(model, tx, seq_len, objective, batch_size), jax.random.key(0))
+  shardings = parallel.logical_to_sharding(boxed, mesh)
+  return nn.unbox(boxed), shardings
+
+
+def init_state(model: nn.Module, tx, mesh, seq_len: int, seed: int, shardings, objective=None,
+               batch_size: int = 1) -> TrainState:
+  """The train state, created directly in its sharded layout (no host holds all of it)."""
+  init = _init_fn(model, tx, seq_len, objective, batch_size)
+  with parallel.context(mesh):
+    return jax.jit(lambda r: nn.unbox(init(r)), out_shardings=shardings)(jax.random.key(seed))
+
+
+# ============================================================================ steps
+
+
+def _loss_and_grads(exp: Experiment, params, batch, rng, objective_state=None):
+  """Mean loss and its gradient, accumulated exactly over `train.grad_accum` micro-batches.
+
+  Returns (metrics, grads, next objective state).
+  """
+  if exp.objective.stateful:
+    loss_fn = lambda p, b, r: exp.objective.loss(exp.model, p, b, r, train=True, state=objective_state)
+  else:
+    loss_fn = lambda p, b, r: exp.objective.loss(exp.model, p, b, r, train=True)
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  accum = exp.config.train.grad_accum
+  if accum == 1:
+    (_, metrics), grads = grad_fn(params, batch, rng)
+    metrics = dict(metrics)
+    return metrics, grads, metrics.pop("state", None)
+
+  # Micro-batch a takes rows a, a + accum, ...: each device keeps its own rows.
+  micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, accum, *x.shape[1:]), 0, 1), batch)
+
+  def body(carry, xs):
+    grads_sum, stats = carry
+    b, a = xs
+    (_, m), g = grad_fn(params, b, jax.random.fold_in(rng, a))
+    n = m["num_tokens"]
+    grads_sum = jax.tree.map(lambda s, gi: s + gi * n, grads_sum, g)
+    stats = {k: stats[k] + m[k] * (n if k != "num_tokens" else 1.0) for k in stats}
+    return (grads_sum, stats), None
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  stat_keys = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(lambda x: x[0], micro), rng)[0][1])
+  stats0 = {k: jnp.zeros((), jnp.float32) for k in stat_keys}
+  (grads_sum, stats), _ = jax.lax.scan(body, (zeros, stats0), (micro, jnp.arange(accum)))
+  n = jnp.maximum(stats["num_tokens"], 1.0)
+  grads = jax.tree.map(lambda g: g / n, grads_sum)
+  metrics = {k: (v / n if k != "num_tokens" else v) for k, v in stats.items()}
+  return metrics, grads, None  # stateful objectives run without accumulation (see validate)
+
+
+def make_train_step(exp: Experiment, shardings):
+  """Jitted (state, batch) -> (state, metrics), state donated, shardings pinned."""
+
+  def step_fn(state: TrainState, batch):
+    rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    metrics, grads, objective_state = _loss_and_grads(exp, state.params, batch, rng, state.objective_state)
+    updates, opt_state = exp.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(metrics, grad_norm=optax.global_norm(grads), learning_rate=exp.schedule(state.step))
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                         objective_state=objective_state), metrics
+
+  jitted = jax.jit(step_fn, in_shardings=(shardings, parallel.batch_sharding(exp.mesh)),
+                   out_shardings=(shardings, parallel.replicated(exp.mesh)), donate_argnums=(0,))
+
+  def run(state, batch):
+    with parallel.context(exp.mesh):
+      return jitted(state, batch)
+
+  run.jitted = jitted  # for tfx.bench: lower().compile() timing
+  return run
+
+
+def make_eval_step(exp: Experiment, shardings):
+  def eval_fn(params, batch):
+    extra = {"state": None} if exp.objective.stateful else {}  # eval starts from an empty state
+    _, metrics = exp.objective.loss(exp.model, params, batch, jax.random.key(0), train=False, **extra)
+    return {k: v for k, v in metrics.items() if k != "state"}
+
+  jitted = jax.jit(eval_fn, in_shardings=(shardings.params, parallel.batch_sharding(exp.mesh)),
+                   out_shardings=parallel.replicated(exp.mesh))
+
+  def run(params, batch):
+    with parallel.context(exp.mesh):
+      return jitted(params, batch)
+
+  return run
+
+
+def evaluate(exp: Experiment, eval_step, params, batches) -> dict[str, float]:
+  """Token-weighted mean of the eval metrics over the held-out batches."""
+  totals: dict[str, float] = {}
+  count = 0.0
+  for batch in batches:
+    m = jax.device_get(eval_step(params, parallel.global_batch(batch, exp.mesh)))
+    n = float(m["num_tokens"])
+    count += n
+    for k, v in m.items():
+      if k != "num_tokens":
+        totals[k] = totals.get(k, 0.0) + float(v) * n
+  out = {k: v / max(count, 1.0) for k, v in totals.items()}
+  out["num_tokens"] = count
+  return out
