@@ -1,9 +1,25 @@
 """Shared test helpers. Tests run on the CPU; sharding tests start their own 8-device processes."""
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
-import jax
+# One persistent XLA compilation cache for the session, shared by this process and every subprocess
+# a test starts (they inherit the environment). The suite compiles the same small programs many
+# times: a resumed run compiles the step its first half compiled, the same tiny config trains in
+# several tests and subprocesses. A cache hit loads the executable XLA built for the same HLO,
+# compile options and XLA flags (all part of the key), so results are bitwise those of a fresh
+# compile. Set JAX_COMPILATION_CACHE_DIR yourself to keep (or disable, with an empty value) it.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _CACHE_DIR = tempfile.mkdtemp(prefix="tfx-tests-xla-cache-")
+  atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
+import jax  # noqa: E402  (after the cache settings, which jax reads at import)
 import pytest
 
 jax.config.update("jax_platforms", "cpu")
