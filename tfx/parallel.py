@@ -100,10 +100,14 @@ def watch_peers(timeout: int, poll_seconds: float = 1.0) -> None:
   client, me, count = distributed.global_state.client, jax.process_index(), jax.process_count()
   leaving = threading.Event()
 
-  def leave():
+  def leave():  # at exit, before JAX's own shutdown
     leaving.set()
     try:
       client.key_value_set(f"tfx/left/{me}", "1")
+      if me == 0:  # the service lives here: let the others disconnect first (recoverable mode has no exit barrier)
+        deadline = time.monotonic() + timeout
+        while len(client.get_live_nodes(list(range(count)))) > 1 and time.monotonic() < deadline:
+          time.sleep(0.2)
     except Exception:  # noqa: BLE001  (the service may already be gone)
       pass
 
