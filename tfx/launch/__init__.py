@@ -11,3 +11,10 @@ write and commands to run, which `--dry-run` prints instead of running:
   xpk       the xpk workload create command for a TPU slice on GKE
   slurm     an sbatch script (one process per node) for GPU clusters
 """
+
+
+def main(argv=None) -> None:
+  """The `tfx launch ...` console-script entry (same as python -m tfx.launch)."""
+  from tfx.launch.cli import main as cli_main
+
+  cli_main(argv)
