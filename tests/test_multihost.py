@@ -3,7 +3,7 @@ jax.distributed, per-host data slices, make_array_from_process_local_data, orbax
 train bitwise like one process with 8 devices; a killed process makes the other exit by itself with
 one line, and the same command then resumes and still ends bitwise on the 8-device run.
 
-Slow: about 5 minutes on 2 busy cores (four two-process runs and one single-process run)."""
+Slow: about 7 minutes on 2 busy cores (five two-process runs and one single-process run)."""
 
 import os
 import signal
@@ -88,17 +88,10 @@ def test_two_processes_match_one(tmp_path, shared_tokenizer, one_process):
   assert state.count("_METADATA") == 1
 
 
-@pytest.mark.slow
-def test_killed_process_others_exit_then_resume(tmp_path, shared_tokenizer, one_process):
-  workdir = tmp_path / "two"
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  first = subprocess.run(launch_cmd(workdir, shared_tokenizer, "--config.train.stop_after=2"), cwd=ROOT,
-                         capture_output=True, text=True, timeout=900, env=env)
-  assert first.returncode == 0, first.stdout[-4000:]
-  assert sorted(os.listdir(workdir / "checkpoints")) == ["2"]
-
-  # Resume, and SIGKILL process 1 once both have restored step 2 (they are compiling then).
-  proc = subprocess.Popen(launch_cmd(workdir, shared_tokenizer), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+def resume_and_kill(workdir, tokenizer, env, victim):
+  """Runs the launch command again and SIGKILLs process `victim` once the run has restored its
+  checkpoint (both processes are compiling then); returns (launcher status, its output)."""
+  proc = subprocess.Popen(launch_cmd(workdir, tokenizer), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
   lines, pids = [], {}
   killer = threading.Timer(900, proc.kill)  # a hang fails the test instead of blocking the suite
@@ -109,17 +102,37 @@ def test_killed_process_others_exit_then_resume(tmp_path, shared_tokenizer, one_
       if line.startswith("tfx.launch local: coordinator"):
         pids = {int(part.split()[1]): int(part.split()[3]) for part in line.split("; ")[1].strip().split(", ")}
       if line.startswith("[p0] resumed from") and pids:
-        os.kill(pids[1], signal.SIGKILL)
+        os.kill(pids[victim], signal.SIGKILL)
     proc.wait()
   finally:
     killer.cancel()
-  out = "".join(lines)
-  assert proc.returncode == 128 + signal.SIGKILL, out[-4000:]
-  # The survivor left by itself, with one line, before the launcher had to stop it.
+  return proc.returncode, "".join(lines)
+
+
+@pytest.mark.slow
+def test_killed_process_others_exit_then_resume(tmp_path, shared_tokenizer, one_process):
+  workdir = tmp_path / "two"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  first = subprocess.run(launch_cmd(workdir, shared_tokenizer, "--config.train.stop_after=2"), cwd=ROOT,
+                         capture_output=True, text=True, timeout=900, env=env)
+  assert first.returncode == 0, first.stdout[-4000:]
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["2"]
+
+  # Process 1 dies: process 0 leaves by itself, with one line, before the launcher has to stop it.
+  code, out = resume_and_kill(workdir, shared_tokenizer, env, victim=1)
+  assert code == 128 + signal.SIGKILL, out[-4000:]
   assert "[p0] tfx: process 0: process 1 of 2 stopped sending heartbeats" in out, out[-4000:]
   assert "process 0 ended with status 75" in out and "process 1 ended with signal 9" in out
   assert "stopping process(es)" not in out
   assert "Traceback" not in out
+
+  # Process 0 (it hosts JAX's coordination service) dies: JAX ends process 1 at once, with its own
+  # message and a native stack trace (or, if the watcher sees it first, with tfx's line), not a hang.
+  code, out = resume_and_kill(workdir, shared_tokenizer, env, victim=0)
+  assert code == 128 + signal.SIGKILL, out[-4000:]
+  assert "process 0 ended with signal 9" in out and "process 1 ended with status 0" not in out, out[-4000:]
+  assert "the leader task was preempted/died" in out or "lost the coordination service (process 0)" in out
+  assert "stopping process(es)" not in out
 
   again = subprocess.run(launch_cmd(workdir, shared_tokenizer), cwd=ROOT, capture_output=True, text=True,
                          timeout=900, env=env)
