@@ -202,6 +202,50 @@ def get_config() -> ml_collections.ConfigDict:
   # Weights & Biases entity (user or team; '' = your default entity).
   c.log.wandb_entity = ""
 
+  # ---------------------------------------------------------------- launch (python -m tfx.launch)
+  # Where and how `python -m tfx.launch BACKEND` starts this run; tfx.train itself ignores it.
+  c.launch = ml_collections.ConfigDict()
+  # Name of the TPU VM / cluster / job ('' = tfx- plus the workdir's last folder).
+  c.launch.name = ""
+  # TPU slice type (v4-8, v5litepod-16, v5p-8, v6e-8, ...: one host per 4 chips, v5litepod-8 / v6e-8 and
+  # smaller are one host) or GPUs per node as NAME:COUNT (H100:8; skypilot and slurm). The slice's device
+  # and host counts are checked against the mesh and the global batch before anything is created.
+  c.launch.accelerator = "v5litepod-8"
+  # GPU nodes (skypilot, slurm; a TPU slice is one "node" whatever its host count).
+  c.launch.num_nodes = 1
+  # TPU software version ('' = the one Google documents for the accelerator's generation).
+  c.launch.runtime_version = ""
+  # Google Cloud project and zone (gcloud, xpk; '' = gcloud's configured default). SkyPilot: zone or ''.
+  c.launch.project = ""
+  c.launch.zone = ""
+  # Spot / preemptible capacity (about a third of the price; preempted runs resume from the workdir).
+  c.launch.spot = True
+  # gcloud: request the TPU as a queued resource (waits for capacity instead of failing).
+  c.launch.queued = False
+  # skypilot: a managed job (sky jobs launch: relaunched after preemption until it finishes) or a plain
+  # cluster (sky launch) stopped after idle_minutes of idleness.
+  c.launch.managed = True
+  c.launch.idle_minutes = 30
+  # xpk: the GKE cluster, and how often a preempted workload is restarted.
+  c.launch.cluster = ""
+  c.launch.max_restarts = 10
+  # slurm: partition ('' = the default), time limit, GPUs per node are in `accelerator`.
+  c.launch.partition = ""
+  c.launch.time = "24:00:00"
+  # Persistent XLA compilation cache, so a restarted job does not compile again: 'auto' = WORKDIR/jax_cache
+  # when the workdir is on gs:// (survives preemption), else ~/.cache/tfx/jax on the host; a path or
+  # gs:// URL; '' = off.
+  c.launch.compilation_cache = "auto"
+  # libtpu flags (LIBTPU_INIT_ARGS): '' = libtpu's defaults; 'overlap' = the collective/compute overlap
+  # flags MaxText sets for FSDP (async all-gather / reduce-scatter fusion); or the flags themselves.
+  c.launch.libtpu_flags = ""
+  # Seconds without a heartbeat after which a process counts as dead; the others then exit with one line
+  # (status 75) instead of waiting in a collective.
+  c.launch.heartbeat_timeout = 60
+  # local: processes on this machine and fake CPU devices per process (checks a multi-host config).
+  c.launch.processes = 2
+  c.launch.devices_per_process = 4
+
   # ---------------------------------------------------------------- generation defaults
   c.generate = ml_collections.ConfigDict()
   # Tokens to generate after the prompt.

@@ -1,8 +1,8 @@
-"""The `tfx` console script: `tfx train|prepare|generate|bench|bench_data|convert|quickstart|compare|finetune ARGS...` (same as python -m tfx.X)."""
+"""The `tfx` console script: `tfx train|prepare|generate|bench|bench_data|convert|quickstart|compare|finetune|launch ARGS...` (same as python -m tfx.X)."""
 
 import sys
 
-COMMANDS = ("train", "prepare", "generate", "bench", "bench_data", "convert", "quickstart", "compare", "finetune")
+COMMANDS = ("train", "prepare", "generate", "bench", "bench_data", "convert", "quickstart", "compare", "finetune", "launch")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -43,25 +43,107 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
 )
 
 
+# Exit status of a process that stops because another process of the job died (EX_TEMPFAIL: a
+# restart of the whole job resumes from the last checkpoint).
+PEER_LOST_EXIT = 75
+
+
 def initialize_distributed() -> None:
   """Multi-host start-up: `jax.distributed.initialize()` when launched on several hosts.
 
   On TPU VMs and under SLURM/Open MPI JAX finds the coordinator itself; elsewhere set
   JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID. A single process does nothing.
+  `python -m tfx.launch` sets these, and TFX_HEARTBEAT_TIMEOUT (config.launch.heartbeat_timeout):
+  then a process that dies makes the others exit within that many seconds with one line
+  (`watch_peers`) instead of waiting in a collective.
   """
   import os
 
   explicit = "JAX_COORDINATOR_ADDRESS" in os.environ
   on_tpu_pod = os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0
   if explicit or on_tpu_pod or os.environ.get("TFX_DISTRIBUTED") == "1":
+    timeout = int(os.environ.get("TFX_HEARTBEAT_TIMEOUT", "0") or 0)
+    kwargs = {"heartbeat_timeout_seconds": timeout} if timeout > 0 else {}
+    if timeout > 0:  # a dead task is dropped from the live set instead of aborting every process
+      jax.config.update("jax_enable_recoverability", True)
     if explicit:
       jax.distributed.initialize(
           coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
           num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
           process_id=int(os.environ["JAX_PROCESS_ID"]),
+          **kwargs,
       )
     else:
-      jax.distributed.initialize()
+      jax.distributed.initialize(**kwargs)
+    if timeout > 0 and jax.process_count() > 1:
+      watch_peers(timeout)
+
+
+def watch_peers(timeout: int, poll_seconds: float = 1.0) -> None:
+  """Starts a daemon thread that ends this process when another process of the job is gone.
+
+  The coordination service drops a process from its live set after `timeout` seconds without a
+  heartbeat (heartbeats come from C++ threads, so a busy Python thread is never taken for dead).
+  A process that leaves normally first writes a key saying so; one that vanished without it was
+  killed or lost its host. Either way the survivors would wait forever in their next collective,
+  so this prints one line and exits with PEER_LOST_EXIT. (If process 0, which hosts the service,
+  dies, JAX itself aborts the others at once with "the leader task was preempted/died".)
+  """
+  import atexit
+  import os
+  import sys
+  import threading
+  import time
+
+  from jax._src import distributed
+
+  client, me, count = distributed.global_state.client, jax.process_index(), jax.process_count()
+  leaving = threading.Event()
+
+  def leave():  # at exit, before JAX's own shutdown
+    leaving.set()
+    try:
+      client.key_value_set(f"tfx/left/{me}", "1")
+      if me == 0:  # the service lives here: let the others disconnect first (recoverable mode has no exit barrier)
+        deadline = time.monotonic() + timeout
+        while len(client.get_live_nodes(list(range(count)))) > 1 and time.monotonic() < deadline:
+          time.sleep(0.2)
+    except Exception:  # noqa: BLE001  (the service may already be gone)
+      pass
+
+  def stop(message: str):
+    if not leaving.is_set():
+      print(f"tfx: process {me}: {message}; exiting. Restart the job (the same command on every host) to resume "
+            f"from the last checkpoint.", file=sys.stderr, flush=True)
+      os._exit(PEER_LOST_EXIT)
+
+  def has_left(process: int) -> bool:
+    try:
+      client.key_value_try_get(f"tfx/left/{process}")
+      return True
+    except Exception:  # noqa: BLE001  (NOT_FOUND)
+      return False
+
+  def watch():
+    left_at: dict[int, float] = {}
+    while not leaving.is_set():
+      try:
+        live = client.get_live_nodes(list(range(count)))
+      except Exception as e:  # noqa: BLE001
+        stop(f"lost the coordination service (process 0): {str(e).splitlines()[0][:200]}")
+        return
+      for other in range(count):
+        if other == me or other in live:
+          continue
+        if not has_left(other):
+          stop(f"process {other} of {count} stopped sending heartbeats for {timeout} s (killed, crashed or its "
+               f"host was lost)")
+        elif time.monotonic() - left_at.setdefault(other, time.monotonic()) > timeout:
+          stop(f"process {other} of {count} exited {timeout} s ago while this one was still running")
+      time.sleep(poll_seconds)
+
+  atexit.register(leave)
+  threading.Thread(target=watch, name="tfx-watch-peers", daemon=True).start()
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:

@@ -1,0 +1,3 @@
+from tfx.launch.cli import main
+
+main()
