@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: quickstart test test-fast test-parity install install-dev install-parity clean
+.PHONY: quickstart test test-slow test-all test-parity install install-dev install-parity clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -31,17 +31,22 @@ install-parity: $(VENV)/.installed-parity
 quickstart: install
 	$(PY) -m tfx.quickstart --workdir runs/quickstart
 
-# The whole suite on CPU; the sharding tests fake 8 devices themselves. The parity suite has
-# its own target (it needs torch).
+# The suite on CPU (under 25 minutes on 2 cores); the sharding tests fake 8 devices themselves.
+# The long end-to-end tests (marked slow: mesh invariance after training on 4 meshes, multi-process,
+# fine-tuning over seeds, sweeps, fault injection) have their own target, and the parity suite its
+# own (it needs torch); CI runs all three.
 test: install-dev
+	$(PY) -m pytest -q -m "not slow" tests --ignore=tests/parity
+
+test-slow: install-dev
+	$(PY) -m pytest -q -m slow tests --ignore=tests/parity
+
+test-all: install-dev
 	$(PY) -m pytest -q tests --ignore=tests/parity
 
 # Numerical parity with Hugging Face's PyTorch models (installs torch 2.13.0 and transformers).
 test-parity: install-parity
 	$(PY) -m pytest -q tests/parity
-
-test-fast: install-dev
-	$(PY) -m pytest -q -m "not slow" tests --ignore=tests/parity
 
 clean:
 	rm -rf runs .pytest_cache
