@@ -73,6 +73,9 @@ def shim_flax_t5() -> None:
   t5.jnp = shim
 
 
+EXTRA_OVERRIDES: list[str] = []  # --tfx-override: extra tfx config overrides (e.g. to compare settings)
+
+
 def tfx_config(model: str, size: str, *, scan: bool = True):
   path, extra = MODELS[model]
   layers, d, heads, ff, seq, batch, vocab = SIZES[size]
@@ -82,6 +85,7 @@ def tfx_config(model: str, size: str, *, scan: bool = True):
       f"--config.data.vocab_size={vocab}", "--config.model.dropout=0.0", "--config.model.attention_dropout=0.0",
       f"--config.model.scan_layers={scan}", "--config.mesh.data=1",
   ]
+  overrides += [o for o in EXTRA_OVERRIDES if scan or "scan_layers" not in o]
   if model == "t5":
     overrides.append(f"--config.model.num_decoder_layers={layers}")
   return config_lib.load_config(os.path.join(ROOT, path), overrides)
@@ -226,7 +230,10 @@ def main(argv=None) -> None:
   parser.add_argument("--sizes", default="small,medium")
   parser.add_argument("--reps", type=int, default=10, help="timed steps per side (interleaved)")
   parser.add_argument("--json", default=None)
+  parser.add_argument("--tfx-override", action="append", default=[],
+                      help="a tfx config override for the tfx side, e.g. --tfx-override=--config.model.scan_layers=False")
   args = parser.parse_args(argv)
+  EXTRA_OVERRIDES.extend(args.tfx_override)
   shim_flax_t5()
   log = lambda s: print(s, file=sys.stderr, flush=True)
   log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs")
