@@ -214,11 +214,11 @@ def format_table(r: dict[str, Any]) -> str:
 def sweep(config_path: str, overrides: list[str], key: str, values: list[str], *, steps: int, warmup: int
           ) -> list[dict[str, Any]]:
   """`benchmark` once per value of one config field (e.g. model.remat), the rest unchanged."""
-  results = []
-  for value in values:
-    config = config_lib.load_config(config_path, [*overrides, f"--config.{key}={value}"])
-    results.append(dict(benchmark(config, steps=steps, warmup=warmup), sweep_key=key, sweep_value=value))
-  return results
+  configs = [config_lib.load_config(config_path, [*overrides, f"--config.{key}={value}"]) for value in values]
+  for config in configs:  # every value is checked before the first one is compiled
+    config_lib.validate(config, num_devices=jax.device_count(), process_count=jax.process_count())
+  return [dict(benchmark(config, steps=steps, warmup=warmup), sweep_key=key, sweep_value=value)
+          for config, value in zip(configs, values)]
 
 
 def format_sweep(results: list[dict[str, Any]]) -> str:
