@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: quickstart test test-slow test-all test-parity install install-dev install-parity clean
+.PHONY: quickstart test test-slow test-all test-parity install install-dev install-parity bench-peer clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,20 @@ test-all: install-dev
 # Numerical parity with Hugging Face's PyTorch models (installs torch 2.13.0 and transformers).
 test-parity: install-parity
 	$(PY) -m pytest -q tests/parity
+
+# tfx against Hugging Face's Flax models side by side (benchmarks/hf_flax/bench_peer.py), in its own
+# venv: transformers 4.57.6 (the last with Flax models) cannot sit beside tfx's datasets/tokenizers.
+# Extra arguments: make bench-peer ARGS="--models gpt2 --sizes small --reps 5".
+PEER_VENV ?= benchmarks/.venv-peer
+$(PEER_VENV)/.installed: benchmarks/hf_flax/requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install -q --upgrade pip
+	$(PEER_VENV)/bin/pip install -q -r benchmarks/hf_flax/requirements.txt
+	$(PEER_VENV)/bin/pip install -q --no-deps -e .
+	touch $@
+
+bench-peer: $(PEER_VENV)/.installed
+	JAX_PLATFORMS=cpu $(PEER_VENV)/bin/python benchmarks/hf_flax/bench_peer.py $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

@@ -80,10 +80,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.dtype = "float32"
   # Run the layers as one nn.scan (faster compile, one set of stacked parameters).
   c.model.scan_layers = True
-  # Rematerialisation policy name: 'none', 'full', 'dots', 'dots_no_batch' (see tfx/nn/blocks.py).
+  # Rematerialisation policy name: 'none', 'full' (= 'nothing_saveable'), 'dots' (= 'dots_saveable'),
+  # 'dots_no_batch' (= 'dots_with_no_batch_dims_saveable'), 'everything_saveable' (tfx/nn/blocks.py).
   c.model.remat = "none"
-  # Attention implementation: 'auto' (cuDNN flash on GPU when possible, XLA otherwise),
-  # 'xla', 'cudnn' or 'reference' (the einsum reference, for debugging).
+  # Attention implementation: 'auto' (cuDNN's fused kernel on a GPU for bf16/fp16 and head_dim
+  # <= 128, XLA otherwise), 'xla', 'cudnn' (falls back to XLA where it cannot run) or 'reference'
+  # (the einsum reference, for debugging). The kernel chosen is logged once with the reason.
   c.model.attention = "auto"
   # Standard deviation of the normal initialiser of dense and embedding weights.
   c.model.init_std = 0.02

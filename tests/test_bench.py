@@ -148,3 +148,14 @@ def test_data_benchmark_runs_and_reports_every_column(tmp_path, capsys):
     assert row[key] > 0, key
   assert row["tokens"] > 500_000 and row["corpus_mb"] >= 3
   assert lines[-1].startswith("| 3 |")
+
+
+def test_sweep_over_remat_policies_same_loss():
+  """--sweep runs one benchmark per value; remat changes what is recomputed, never the result."""
+  results = bench.sweep(os.path.join(ROOT, "configs", "base.py"), TINY, "model.remat", ["none", "dots_saveable"],
+                        steps=1, warmup=0)
+  assert [r["sweep_value"] for r in results] == ["none", "dots_saveable"]
+  assert results[0]["loss"] == pytest.approx(results[1]["loss"], rel=1e-6)
+  assert all(r["temp_memory_bytes"] > 0 for r in results)
+  table = bench.format_sweep(results).splitlines()
+  assert table[0].split()[:3] == ["model.remat", "compile", "s"] and len(table) == 3

@@ -119,6 +119,45 @@ def test_weighted_cross_entropy_matches_numpy():
   ce = -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
   assert float(loss) == pytest.approx((ce * weights).sum() / weights.sum(), rel=1e-5)
   assert float(m["num_tokens"]) == weights.sum()
+  correct = (l64.argmax(-1) == targets).astype(np.float64)  # no ties in random logits
+  assert float(m["accuracy"]) == pytest.approx((correct * weights).sum() / weights.sum(), rel=1e-6)
+  # The loss's gradient is softmax - onehot (the max shift inside carries no gradient).
+  grad = jax.grad(lambda x: ops.weighted_cross_entropy(x, jnp.asarray(targets), jnp.asarray(weights))[0])(
+      jnp.asarray(logits))
+  expected = (np.exp(logp) - np.eye(7)[targets]) * weights[..., None] / weights.sum()
+  np.testing.assert_allclose(np.asarray(grad), expected, atol=1e-6)
   # Nothing predicted: loss is 0, not NaN.
   loss0, _ = ops.weighted_cross_entropy(jnp.asarray(logits), jnp.asarray(targets), jnp.zeros((2, 5)))
   assert float(loss0) == 0.0
+
+
+def test_attention_kernel_choice_and_fallback(monkeypatch, caplog):
+  """'auto' picks cuDNN only on a GPU for bf16/fp16 with a supported head dim; an explicit 'cudnn'
+  that cannot run falls back to XLA with the same numbers, and the choice is logged once."""
+  from tfx.ops import attention as attn
+
+  choose = attn.choose_implementation
+  assert choose("auto", jnp.bfloat16, 64)[0] == "xla"  # this CPU
+  assert choose("cudnn", jnp.float32, 64)[0] == "xla"
+  assert choose("reference", jnp.bfloat16, 64)[0] == "reference"
+  with pytest.raises(ValueError, match="model.attention"):
+    choose("flash", jnp.bfloat16, 64)
+  monkeypatch.setattr(attn, "_on_gpu", lambda: True)
+  assert choose("auto", jnp.bfloat16, 64) == ("cudnn", "GPU, bfloat16")
+  assert choose("auto", jnp.float16, 128)[0] == "cudnn"
+  assert choose("auto", jnp.float32, 64)[0] == "xla"
+  assert choose("cudnn", jnp.bfloat16, 256)[0] == "xla"
+  assert choose("auto", jnp.bfloat16, 60)[0] == "xla"
+
+  # "On a GPU" here but really on CPU: jax refuses cuDNN at trace time, tfx falls back to XLA.
+  rng = np.random.default_rng(5)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 8, 2, 16)), jnp.bfloat16) for _ in range(3))
+  mask = ops.decoder_mask(jnp.asarray(random_packed(rng, 2, 8)[0]))
+  attn._LOGGED.clear()
+  with caplog.at_level("INFO", logger="tfx.attention"):
+    out = ops.dot_product_attention(q, k, v, mask=mask, implementation="auto")
+    ops.dot_product_attention(q, k, v, mask=mask, implementation="auto")
+  lines = [r.getMessage() for r in caplog.records if r.name == "tfx.attention"]
+  assert len(lines) == 1 and lines[0].startswith("attention: xla (cuDNN refused"), lines
+  expected = ops.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))

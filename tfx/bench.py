@@ -1,13 +1,15 @@
 """Throughput, MFU, compile time and memory of a config's training step.
 
     python -m tfx.bench --config configs/base.py [--config.k=v ...] [--steps 10 --warmup 2 --json out.json]
+    python -m tfx.bench --config configs/base.py --sweep model.remat=none,full,dots_saveable
 
 The model, objective, optimizer, sharded state and jitted train step are built exactly as
 `tfx.train` builds them; only the data is synthetic (random token rows of the objective's raw
 length, one document per row), so no corpus or tokenizer is needed and nothing is read.
 
 Numbers:
-  compile_s      tracing + lowering + XLA compilation of the train step (first call)
+  compile_s      tracing + lowering + XLA compilation of the train step
+  temp_memory_bytes  XLA's compiled temporary buffers of the step (memory_analysis; any backend)
   step_s         median wall time of the timed steps (each blocked on its results)
   tokens_per_s   batch_size * raw row length / step_s
   flops_per_token, model_tflops_per_s: model FLOPs (tfx.flops, PaLM appendix B) and their rate
@@ -138,10 +140,14 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
   host = synthetic_batch(local_rows, row_length, exp.model.cfg.vocab_size, seed=config.train.seed + jax.process_index())
   batch = parallel.global_batch(host, exp.mesh)
 
-  with compile_timer() as compiled:
+  with compile_timer() as compiled, parallel.context(exp.mesh):
     start = time.perf_counter()
-    state, metrics = jax.block_until_ready(train_step(state, batch))
+    executable = train_step.jitted.lower(state, batch).compile()
+    compile_wall_s = time.perf_counter() - start
+    state, metrics = jax.block_until_ready(executable(state, batch))
     first_call_s = time.perf_counter() - start
+  train_step = executable
+  memory = executable.memory_analysis()
   for _ in range(warmup):
     state, metrics = jax.block_until_ready(train_step(state, batch))
   times = []
@@ -167,7 +173,7 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
       "platform": device.platform,
       "device_count": jax.device_count(),
       "mesh": {k: int(v) for k, v in exp.mesh.shape.items()},
-      "compile_s": compiled["seconds"] if compiled["seconds"] > 0 else first_call_s,
+      "compile_s": compiled["seconds"] if compiled["seconds"] > 0 else compile_wall_s,
       "first_call_s": first_call_s,
       "step_s": step_s,
       "step_s_all": times,
@@ -177,6 +183,7 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
       "peak_tflops_per_device": peak / 1e12 if peak else None,
       "mfu": achieved / (peak * jax.device_count()) if peak else None,
       "peak_memory_bytes": peak_memory_bytes(),
+      "temp_memory_bytes": int(memory.temp_size_in_bytes) if memory is not None else None,
       "loss": float(jax.device_get(metrics["loss"])),
   }
 
@@ -197,9 +204,35 @@ def format_table(r: dict[str, Any]) -> str:
       ("achieved", f"{r['model_tflops_per_s']:.4f} TFLOP/s (model FLOPs)"),
       ("MFU", mfu),
       ("peak memory", mem),
+      ("temp memory", f"{r['temp_memory_bytes'] / 2**20:.1f} MiB (XLA memory analysis)"
+       if r.get("temp_memory_bytes") is not None else "n/a"),
   ]
   width = max(len(k) for k, _ in rows)
   return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def sweep(config_path: str, overrides: list[str], key: str, values: list[str], *, steps: int, warmup: int
+          ) -> list[dict[str, Any]]:
+  """`benchmark` once per value of one config field (e.g. model.remat), the rest unchanged."""
+  configs = [config_lib.load_config(config_path, [*overrides, f"--config.{key}={value}"]) for value in values]
+  for config in configs:  # every value is checked before the first one is compiled
+    config_lib.validate(config, num_devices=jax.device_count(), process_count=jax.process_count())
+  return [dict(benchmark(config, steps=steps, warmup=warmup), sweep_key=key, sweep_value=value)
+          for config, value in zip(configs, values)]
+
+
+def format_sweep(results: list[dict[str, Any]]) -> str:
+  """One row per swept value: compile, step time, tokens/s, memory."""
+  key = results[0]["sweep_key"]
+  rows = [(key, "compile s", "step ms", "tokens/s", "temp MiB", "peak MiB")]
+  for r in results:
+    peak = r["peak_memory_bytes"]
+    rows.append((str(r["sweep_value"]), f"{r['compile_s']:.2f}", f"{1e3 * r['step_s']:.1f}",
+                 f"{r['tokens_per_s']:,.0f}", f"{r['temp_memory_bytes'] / 2**20:.1f}",
+                 f"{peak / 2**20:.1f}" if peak is not None else "n/a"))
+  widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+  return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                   for row in rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -208,6 +241,8 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--steps", type=int, default=10, help="timed steps")
   parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the compiling call")
   parser.add_argument("--json", default=None, help="also write the results as JSON to this path (local or gs://)")
+  parser.add_argument("--sweep", default=None, metavar="KEY=V1,V2,...",
+                      help="benchmark once per value of one config field, e.g. model.remat=none,full,dots_saveable")
   args, overrides = parser.parse_known_args(argv)
   parallel.initialize_distributed()
   try:
@@ -215,11 +250,18 @@ def main(argv: list[str] | None = None) -> None:
     from tfx import gcs
 
     gcs.preflight(args.json)
-    result = benchmark(config, steps=args.steps, warmup=args.warmup)
+    if args.sweep:
+      key, _, values = args.sweep.partition("=")
+      if not values:
+        raise UserError(f"--sweep needs KEY=V1,V2,... (e.g. model.remat=none,full), got {args.sweep!r}")
+      result = sweep(args.config, overrides, key.removeprefix("config."), values.split(","), steps=args.steps,
+                     warmup=args.warmup)
+    else:
+      result = benchmark(config, steps=args.steps, warmup=args.warmup)
   except UserError as e:
     sys.exit(f"tfx.bench: {e}")
   if jax.process_index() == 0:
-    print(format_table(result))
+    print(format_sweep(result) if args.sweep else format_table(result))
     if args.json:  # local or gs://
       from etils import epath
 

@@ -148,7 +148,11 @@ class Embed(nn.Module):
 
   def __call__(self, ids: jax.Array) -> jax.Array:
     """[b, t] int -> [b, t, e]."""
-    return jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
+    # Gather the table's `embed` dim (FSDP-sharded at rest) before the lookup, as FSDP does for
+    # every weight: a lookup from an embed-sharded table gives an embed-sharded output that XLA
+    # cannot re-shard to the batch-sharded activation without replicating it in full.
+    table = constrain(self.embedding, (self.axes[0], None))  # [rows, e]
+    return jnp.take(table, ids, axis=0).astype(self.dtype)
 
   def attend(self, x: jax.Array) -> jax.Array:
     """[b, t, e] -> [b, t, v] logits against the embedding table."""

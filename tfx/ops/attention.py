@@ -11,6 +11,7 @@ no allowed key would silently softmax to the mean of V (a leak); `assert_rows_at
 the `guard` of `dot_product_attention` make that an error or exact zeros.
 """
 
+import logging
 from typing import Literal
 
 import jax
@@ -116,13 +117,34 @@ def _on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
 
-def choose_implementation(implementation: Implementation, dtype, head_dim: int) -> str:
-  """'auto' -> cuDNN flash attention on GPU for half-precision inputs, XLA otherwise."""
-  if implementation != "auto":
-    return implementation
-  if _on_gpu() and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim <= 128 and head_dim % 8 == 0:
-    return "cudnn"
-  return "xla"
+_LOGGED: set[tuple[str, str]] = set()
+
+
+def _log_choice(impl: str, why: str) -> None:
+  """One line per distinct (kernel, reason), at trace time (so once per compiled step)."""
+  if (impl, why) not in _LOGGED:
+    _LOGGED.add((impl, why))
+    logging.getLogger("tfx.attention").info("attention: %s (%s)", impl, why)
+
+
+def choose_implementation(implementation: Implementation, dtype, head_dim: int) -> tuple[str, str]:
+  """(kernel, reason): which attention kernel runs and why.
+
+  'auto' is cuDNN's fused kernel on a GPU for bf16/fp16 inputs with a head dim it supports
+  (<= 128, a multiple of 8), XLA's einsum attention otherwise. An explicit 'cudnn' that cannot
+  run here (no GPU, fp32 inputs, head dim) falls back to XLA instead of failing.
+  """
+  if implementation in ("xla", "reference"):
+    return implementation, "model.attention"
+  if implementation not in ("auto", "cudnn"):
+    raise ValueError(f"unknown model.attention {implementation!r}; choose auto, xla, cudnn or reference")
+  if not _on_gpu():
+    return "xla", f"no GPU (backend {jax.default_backend()})"
+  if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+    return "xla", f"cuDNN needs bf16/fp16 inputs, got {jnp.dtype(dtype).name} (model.dtype)"
+  if head_dim > 128 or head_dim % 8:
+    return "xla", f"cuDNN needs head_dim <= 128 and a multiple of 8, got {head_dim}"
+  return "cudnn", "GPU, " + jnp.dtype(dtype).name
 
 
 def dot_product_attention(
@@ -143,14 +165,15 @@ def dot_product_attention(
     mask: bool [b|1, h|1, t, s], True = may attend.
     bias: float [b|1, h|1, t, s] added to the scores (relative positions, ...).
     scale: score scale, default 1/sqrt(d).
-    implementation: 'auto' | 'xla' | 'cudnn' | 'reference'.
+    implementation: 'auto' | 'xla' | 'cudnn' | 'reference' (see `choose_implementation`; the
+      kernel chosen is logged once, on the `tfx.attention` logger, with the reason).
     guard: zero the output of query rows that have no allowed key, instead of the mean of V
       that the softmax over a fully masked row would give. Such rows are padding queries
       (their loss weight is 0); the guard makes sure nothing leaks through them.
   Returns:
     [b, t, h, d] in q's dtype.
   """
-  impl = choose_implementation(implementation, q.dtype, q.shape[-1])
+  impl, why = choose_implementation(implementation, q.dtype, q.shape[-1])
   if impl == "reference":
     out = reference_attention(q, k, v, mask=mask, bias=bias, scale=scale)
   else:
@@ -158,7 +181,14 @@ def dot_product_attention(
     s = k.shape[1]
     if mask is not None:
       mask = jnp.broadcast_to(mask, (mask.shape[0], mask.shape[1], t, s))
-    out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale, implementation=impl)
+    try:
+      out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale, implementation=impl)
+    except Exception as e:  # noqa: BLE001  (cuDNN refuses a shape / layout / version at trace time)
+      if impl != "cudnn":
+        raise
+      impl, why = "xla", f"cuDNN refused: {str(e).splitlines()[0][:120]}"
+      out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale, implementation="xla")
+  _log_choice(impl, why)
   if guard and mask is not None:
     ok = rows_attend(mask)  # [b|1, h|1, t]
     ok = jnp.moveaxis(ok, 1, 2)[..., None]  # [b|1, t, h|1, 1]

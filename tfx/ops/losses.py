@@ -16,17 +16,22 @@ def weighted_cross_entropy(
     z_loss: coefficient of log(Z)^2 (PaLM/T5X stabiliser), 0 = off.
   Returns:
     (loss, metrics): loss is sum(w * ce) / sum(w) (0 when nothing is predicted); metrics has
-    `loss`, `accuracy` (weighted) and `num_tokens` (sum of weights).
+    `loss`, `accuracy` (weighted; correct = the target has the largest logit, ties included) and
+    `num_tokens` (sum of weights).
   """
   logits = logits.astype(jnp.float32)
-  log_z = jax.nn.logsumexp(logits, axis=-1)  # [b, t]
+  # logsumexp written out so that its max serves the accuracy too: one pass over [b, t, v] for
+  # both, where an argmax would be a second (variadic) reduction over the vocabulary.
+  top = jax.lax.stop_gradient(jnp.max(logits, axis=-1))  # [b, t]
+  log_z = top + jnp.log(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1))  # [b, t]
   target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [b, t]
   ce = log_z - target_logit
   weights = weights.astype(jnp.float32)
   total = jnp.sum(weights)
   denom = jnp.maximum(total, 1.0)
   loss = jnp.sum(ce * weights) / denom
-  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+  # Correct when the target's logit is the largest (a tie for the largest counts as correct).
+  correct = (target_logit >= top).astype(jnp.float32)
   metrics = {
       "loss": loss,
       "accuracy": jnp.sum(correct * weights) / denom,

@@ -1,0 +1,252 @@
+"""tfx against Hugging Face's Flax models, side by side in one process (CPU, fp32, one device).
+
+    make bench-peer                                  # creates benchmarks/.venv-peer and runs this
+    benchmarks/.venv-peer/bin/python benchmarks/hf_flax/bench_peer.py [--models gpt2,bert,t5]
+        [--sizes small,medium] [--reps 10] [--json out.json]
+
+For each model and size it builds the model in tfx from a config, exports tfx's initial weights
+with tfx's own converter (`tfx.convert.to_hf`: config.json + model.safetensors) and loads them into
+the HF Flax class (`from_pretrained(..., from_pt=True)` reads the safetensors without torch), so
+both sides compute the same function: the first step's losses must agree (it stops otherwise).
+
+Both sides run a full training step, jitted with the state donated: the objective's input
+transform (tfx's own, on both sides, with the same key: causal-LM shift, BERT masking at 15%, T5
+span corruption), forward, backward and the same optax AdamW chain (`tfx.steps.make_optimizer`).
+The tfx step is `tfx.steps.make_train_step`, exactly what `tfx.train` runs (its metrics: loss,
+accuracy, grad norm, learning rate); the HF step computes the loss only.
+
+Reported per model and size (ratio = tfx / HF; < 1 means tfx is faster or smaller):
+  step      median wall time of `--reps` steps, tfx and HF interleaved step by step
+  temp      XLA's compiled temporary memory (memory_analysis().temp_size_in_bytes)
+  compile   lower + compile of a fresh jit (median of 3, interleaved)
+  GFLOP     XLA's cost analysis of the compiled step. It counts a while loop's body once, so
+            tfx's (scanned layers) is taken from the same step with model.scan_layers=False.
+
+The machine these numbers come from may be shared: timings are interleaved and medians, and a
+run repeated later can move by 10-20 %.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from tfx import bench, config as config_lib, parallel
+from tfx.convert import to_hf
+from tfx.objectives.causal_lm import causal_lm_inputs, shift_right_by_segment
+from tfx.steps import init_state, make_train_step, state_shardings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# model -> (tfx config file, overrides that make it the HF architecture)
+MODELS = {
+    "gpt2": ("configs/base.py", ["--config.model.norm_eps=1e-5"]),
+    "bert": ("configs/bert_base.py", []),
+    "t5": ("configs/t5_base.py", []),
+}
+# size -> (layers, d_model, heads, d_ff, seq_len, batch, vocab)
+SIZES = {
+    "small": (2, 128, 4, 512, 128, 8, 8192),
+    "medium": (4, 256, 4, 1024, 256, 8, 8192),
+}
+
+
+def shim_flax_t5() -> None:
+  """HF's Flax T5 calls jnp.clip(x, a_max=...), which jax 0.10 removed: give that module a jnp
+  whose clip accepts the old keywords (the benchmark only; tfx is not touched)."""
+  from transformers.models.t5 import modeling_flax_t5 as t5
+
+  def clip(x, a_min=None, a_max=None, **kw):
+    return jnp.clip(x, kw.pop("min", a_min), kw.pop("max", a_max), **kw)
+
+  shim = types.SimpleNamespace(**{k: getattr(jnp, k) for k in dir(jnp) if not k.startswith("__")})
+  shim.clip = clip
+  t5.jnp = shim
+
+
+EXTRA_OVERRIDES: list[str] = []  # --tfx-override: extra tfx config overrides (e.g. to compare settings)
+
+
+def tfx_config(model: str, size: str, *, scan: bool = True):
+  path, extra = MODELS[model]
+  layers, d, heads, ff, seq, batch, vocab = SIZES[size]
+  overrides = extra + [
+      f"--config.model.num_layers={layers}", f"--config.model.d_model={d}", f"--config.model.num_heads={heads}",
+      f"--config.model.d_ff={ff}", f"--config.data.seq_len={seq}", f"--config.train.batch_size={batch}",
+      f"--config.data.vocab_size={vocab}", "--config.model.dropout=0.0", "--config.model.attention_dropout=0.0",
+      f"--config.model.scan_layers={scan}", "--config.mesh.data=1",
+  ]
+  overrides += [o for o in EXTRA_OVERRIDES if scan or "scan_layers" not in o]
+  if model == "t5":
+    overrides.append(f"--config.model.num_decoder_layers={layers}")
+  return config_lib.load_config(os.path.join(ROOT, path), overrides)
+
+
+def hf_inputs(model: str, objective, batch, rng):
+  """The HF model's inputs and the loss targets/weights, from tfx's own objective transform with
+  the key the tfx step uses (so both see the same masked / corrupted rows)."""
+  if model == "gpt2":
+    x = causal_lm_inputs(batch, objective.bos_id)
+    kwargs = dict(input_ids=x["inputs"], attention_mask=(batch["segment_ids"] > 0).astype(jnp.int32),
+                  position_ids=batch["positions"])
+    return kwargs, x["targets"], x["weights"]
+  if model == "bert":
+    mask_rng, _ = jax.random.split(rng)
+    inputs, targets, weights = objective.mask(batch, mask_rng)
+    kwargs = dict(input_ids=inputs, attention_mask=(batch["segment_ids"] > 0).astype(jnp.int32),
+                  token_type_ids=jnp.zeros_like(inputs), position_ids=batch["positions"], head_mask=None)
+    return kwargs, targets, weights
+  corrupt_rng, _ = jax.random.split(rng)
+  x = objective.corrupt(batch, corrupt_rng)
+  decoder_inputs = shift_right_by_segment(x["targets"], x["target_segment_ids"], objective.ids.pad)
+  kwargs = dict(input_ids=x["inputs"], attention_mask=(x["input_segment_ids"] > 0).astype(jnp.int32),
+                decoder_input_ids=decoder_inputs,
+                decoder_attention_mask=(x["target_segment_ids"] > 0).astype(jnp.int32))
+  return kwargs, x["targets"], x["target_segment_ids"].astype(jnp.float32)
+
+
+def make_hf_step(model: str, hf_model, objective, tx):
+  """A fresh jitted HF train step (state, batch) -> (state, loss), state donated."""
+
+  def loss_fn(params, batch, rng):
+    kwargs, targets, weights = hf_inputs(model, objective, batch, rng)
+    logits = hf_model.module.apply({"params": params}, **kwargs, deterministic=True).logits
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    return jnp.sum(ce * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+  def step(state, batch):
+    params, opt_state, rng_data, count = state
+    rng = jax.random.fold_in(jax.random.wrap_key_data(rng_data), count)
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch, rng)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state, rng_data, count + 1), loss
+
+  return jax.jit(step, donate_argnums=(0,))
+
+
+def compile_stats(jitted, *args):
+  start = time.perf_counter()
+  compiled = jitted.lower(*args).compile()
+  seconds = time.perf_counter() - start
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return compiled, seconds, float(cost.get("flops", 0.0)), int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def run_one(model: str, size: str, reps: int, log) -> dict:
+  import transformers
+
+  config = tfx_config(model, size)
+  exp = bench.build_experiment(config)
+  seq_len, batch_size = config.data.seq_len, config.train.batch_size
+  _, shardings = state_shardings(exp.model, exp.tx, exp.mesh, seq_len, exp.objective, batch_size)
+  state = init_state(exp.model, exp.tx, exp.mesh, seq_len, config.train.seed, shardings, exp.objective, batch_size)
+  host = bench.synthetic_batch(batch_size, exp.objective.raw_length(seq_len), exp.model.cfg.vocab_size)
+  batch = parallel.global_batch(host, exp.mesh)
+
+  with tempfile.TemporaryDirectory() as tmp:
+    arch = to_hf(config, jax.device_get(state.params), tmp)
+    cls = getattr(transformers, "Flax" + arch)
+    hf_model = cls.from_pretrained(tmp, from_pt=True, dtype=jnp.float32)
+  hf_params = jax.tree.map(jnp.asarray, hf_model.params)
+  copy = lambda x: jnp.array(x, copy=True)  # both states are donated: share no buffer
+  hf_state = (hf_params, exp.tx.init(hf_params), copy(state.rng), copy(state.step))
+
+  # Compile times: fresh jits, interleaved; keep the last compiled ones.
+  tfx_compile, hf_compile = [], []
+  for _ in range(3):
+    with parallel.context(exp.mesh):
+      tfx_step = make_train_step(exp, shardings).jitted
+      tfx_c, s, tfx_flops, tfx_temp = compile_stats(tfx_step, state, batch)
+    tfx_compile.append(s)
+    hf_step = make_hf_step(model, hf_model, exp.objective, exp.tx)
+    hf_c, s, hf_flops, hf_temp = compile_stats(hf_step, hf_state, batch)
+    hf_compile.append(s)
+  unrolled = bench.build_experiment(tfx_config(model, size, scan=False))
+  abstract, unrolled_shardings = state_shardings(unrolled.model, unrolled.tx, unrolled.mesh, seq_len,
+                                                 unrolled.objective, batch_size)
+  with parallel.context(unrolled.mesh):
+    _, _, tfx_flops, _ = compile_stats(make_train_step(unrolled, unrolled_shardings).jitted, abstract, batch)
+
+  # Same function: the first step's losses (before any update).
+  with parallel.context(exp.mesh):
+    state, metrics = tfx_c(state, batch)
+  hf_state, hf_loss = hf_c(hf_state, batch)
+  tfx_loss, hf_loss = float(metrics["loss"]), float(hf_loss)
+  if not np.isclose(tfx_loss, hf_loss, rtol=1e-4, atol=1e-5):
+    raise SystemExit(f"{model}/{size}: tfx loss {tfx_loss} != HF loss {hf_loss}: not the same function")
+  log(f"  {model}/{size}: losses agree (tfx {tfx_loss:.6f}, HF {hf_loss:.6f}); timing {reps} interleaved steps")
+
+  tfx_times, hf_times = [], []
+  for _ in range(reps):
+    with parallel.context(exp.mesh):
+      start = time.perf_counter()
+      state, metrics = jax.block_until_ready(tfx_c(state, batch))
+      tfx_times.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    hf_state, hf_loss = jax.block_until_ready(hf_c(hf_state, batch))
+    hf_times.append(time.perf_counter() - start)
+
+  layers, d, heads, ff, seq, b, vocab = SIZES[size]
+  return {
+      "model": model, "size": size, "hf_class": cls.__name__, "objective": config.objective.name,
+      "shape": f"{layers}L d{d} h{heads} ff{ff}, {b}x{seq}, vocab {vocab}",
+      "loss_tfx": tfx_loss, "loss_hf": hf_loss,
+      "step_s_tfx": statistics.median(tfx_times), "step_s_hf": statistics.median(hf_times),
+      "compile_s_tfx": statistics.median(tfx_compile), "compile_s_hf": statistics.median(hf_compile),
+      "temp_bytes_tfx": tfx_temp, "temp_bytes_hf": hf_temp,
+      "gflop_tfx": tfx_flops / 1e9, "gflop_hf": hf_flops / 1e9,
+  }
+
+
+def table(results: list[dict]) -> str:
+  lines = ["| model (HF class) | shape | step ms tfx / HF | ratio | temp MiB tfx / HF | ratio | compile s tfx / HF "
+           "| ratio | GFLOP tfx / HF |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in results:
+    ratio = lambda a, b: f"{a / b:.2f}x" if b else "n/a"
+    lines.append(
+        f"| {r['model']} ({r['hf_class']}) | {r['shape']} "
+        f"| {1e3 * r['step_s_tfx']:.0f} / {1e3 * r['step_s_hf']:.0f} | {ratio(r['step_s_tfx'], r['step_s_hf'])} "
+        f"| {r['temp_bytes_tfx'] / 2**20:.1f} / {r['temp_bytes_hf'] / 2**20:.1f} "
+        f"| {ratio(r['temp_bytes_tfx'], r['temp_bytes_hf'])} "
+        f"| {r['compile_s_tfx']:.2f} / {r['compile_s_hf']:.2f} | {ratio(r['compile_s_tfx'], r['compile_s_hf'])} "
+        f"| {r['gflop_tfx']:.2f} / {r['gflop_hf']:.2f} |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--models", default="gpt2,bert,t5")
+  parser.add_argument("--sizes", default="small,medium")
+  parser.add_argument("--reps", type=int, default=10, help="timed steps per side (interleaved)")
+  parser.add_argument("--json", default=None)
+  parser.add_argument("--tfx-override", action="append", default=[],
+                      help="a tfx config override for the tfx side, e.g. --tfx-override=--config.model.scan_layers=False")
+  args = parser.parse_args(argv)
+  EXTRA_OVERRIDES.extend(args.tfx_override)
+  shim_flax_t5()
+  log = lambda s: print(s, file=sys.stderr, flush=True)
+  log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs")
+  results = []
+  for model in args.models.split(","):
+    for size in args.sizes.split(","):
+      results.append(run_one(model, size, args.reps, log))
+      log(table(results[-1:]).splitlines()[-1])
+  print(table(results))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()
