@@ -89,10 +89,28 @@ class Tally:
       self.failures.append(f"bad input {name}: {proc.stderr[-1500:]}")
 
 
+def _last_train_step(workdir):
+  try:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      lines = f.read().splitlines()
+  except FileNotFoundError:
+    return None
+  for line in reversed(lines):
+    try:
+      record = json.loads(line)
+    except ValueError:
+      continue
+    if record.get("split") == "train":
+      return record["step"]
+  return None
+
+
 def kill_run(workdir, tokenizer, kills, rng, tally):
-  """Starts the run, SIGKILLs it `kills` times (alternately at a random moment after start-up and
-  while an async checkpoint is being written), then lets it finish."""
+  """Starts the run and SIGKILLs it `kills` times, alternately a random fraction of a second after a
+  random training step (1-8 steps after the first it logs) and as soon as orbax starts writing a
+  checkpoint (a new temporary directory); then lets it finish."""
   done = 0
+  ckpt = os.path.join(workdir, "checkpoints")
   while True:
     proc = subprocess.Popen([sys.executable, "-m", "tfx.train", *flags(workdir, tokenizer)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -100,25 +118,30 @@ def kill_run(workdir, tokenizer, kills, rng, tally):
       out = proc.communicate(timeout=900)[0]
       return proc.returncode == 0, out
     during_save = done % 2 == 1
-    deadline = time.time() + rng.uniform(0.5, 6.0)
-    started = None
-    ckpt = os.path.join(workdir, "checkpoints")
+    before = set(os.listdir(ckpt)) if os.path.isdir(ckpt) else set()
+    first, target = None, None
     while proc.poll() is None:
-      if during_save:  # an orbax temporary directory: a commit in progress
-        if os.path.isdir(ckpt) and any("tmp" in n for n in os.listdir(ckpt)):
+      names = set(os.listdir(ckpt)) if os.path.isdir(ckpt) else set()
+      before &= names  # a stale temporary directory that orbax removed counts as new when it returns
+      if during_save:
+        if any("tmp" in n for n in names - before):
           break
-      elif started is None and os.path.exists(os.path.join(workdir, "tfx.lock")):
-        started = time.time()
-        deadline = started + rng.uniform(2.0, 12.0)
-      elif started is not None and time.time() > deadline:
-        break
-      time.sleep(0.005)
+      else:
+        last = _last_train_step(workdir)
+        if first is None and last is not None:
+          first, target = last, last + rng.randint(1, 8)
+        if target is not None and last is not None and last >= target:
+          time.sleep(rng.uniform(0.0, 0.3))
+          break
+      time.sleep(0.01)
     if proc.poll() is None:
       os.kill(proc.pid, signal.SIGKILL)
       proc.wait()
+      proc.stdout.close()
       done += 1
-      print(f"  SIGKILL {done} ({'during an async checkpoint write' if during_save else 'at a random moment'}); "
-            f"checkpoints now {sorted(n for n in os.listdir(ckpt))}" if os.path.isdir(ckpt) else "", flush=True)
+      listing = sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else []
+      print(f"  SIGKILL {done} ({'as an async checkpoint write began' if during_save else 'after a random step'}); "
+            f"checkpoints now {listing}", flush=True)
     else:
       proc.stdout.read()
       return proc.returncode == 0 and done >= kills, f"finished after {done} kills"
@@ -200,7 +223,7 @@ def main():
   second = tfx("tfx.train", *flags(w("two"), tokenizer, steps=400))
   refused = one_line_error(second) and "in use by another run" in second.stderr and f"pid {first.pid}" in second.stderr
   first.kill(); first.wait()
-  third = tfx("tfx.train", *flags(w("two"), tokenizer, steps=30, "--config.train.allow_config_change=true"))
+  third = tfx("tfx.train", *flags(w("two"), tokenizer, "--config.train.allow_config_change=true", steps=30))
   tally.fault("a second run on the same workdir", refused, second.stderr[-800:])
   tally.fault("a new run after the holder was SIGKILLed", third.returncode == 0 and "took over" in third.stdout,
               third.stderr[-800:])

@@ -76,9 +76,8 @@ class _Manifests:
 def manager(workdir, *, keep: int, async_save: bool) -> ocp.CheckpointManager:
   directory = checkpoint_dir(workdir)
   manifests = _Manifests(directory)
-  options = ocp.CheckpointManagerOptions(
-      max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
-      async_options=ocp.AsyncOptions(post_finalization_callback=manifests.write_committed))
+  hooks = {"async_options": ocp.AsyncOptions(post_finalization_callback=manifests.write_committed)} if async_save else {}
+  options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True, **hooks)
   mngr = ocp.CheckpointManager(directory, options=options, item_names=("state", "data"))
   mngr.tfx_manifests, mngr.tfx_async = manifests, async_save
   return mngr
@@ -204,9 +203,12 @@ def steps(workdir) -> dict[int, epath.Path]:
 
 
 def set_aside(workdir, step: int, why: str) -> epath.Path:
-  """Moves checkpoint `step` to WORKDIR/checkpoints_set_aside/<step>[.n] (nothing is deleted)."""
+  """Moves checkpoint `step` to WORKDIR/checkpoints_set_aside/<step>[.n] (nothing is deleted). Process 0
+  moves; every process reaches the same verdict on its own and skips the step."""
   source = checkpoint_dir(workdir) / str(step)
   root = epath.Path(workdir) / SET_ASIDE
+  if jax.process_index() != 0:
+    return root / str(step)
   root.mkdir(parents=True, exist_ok=True)
   target, n = root / str(step), 1
   while target.exists():
@@ -239,7 +241,7 @@ def restore_good(workdir, mngr: ocp.CheckpointManager, abstract_state, *, step: 
     if step not in found:
       raise CheckpointError(f"train.restore_step={step}: no such checkpoint; {checkpoint_dir(workdir)} has steps "
                             f"{sorted(found)}")
-    if move_aside:
+    if move_aside and jax.process_index() == 0:
       marker.parent.mkdir(parents=True, exist_ok=True)
       marker.write_text(f"train.restore_step={step} applied at {time.time()}\n")
     for later in sorted(s for s in found if s > step):
