@@ -364,6 +364,10 @@ def main(argv: list[str] | None = None) -> None:
     return
   if not args.config or not args.workdir:
     parser.error("--config and --workdir are required")
+  if not args.debug:  # orbax logs a failed background save with its traceback; the error is explained below
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.FATAL)
   parallel.initialize_distributed()
   try:
     config = config_lib.load_config(args.config, overrides)
@@ -375,7 +379,19 @@ def main(argv: list[str] | None = None) -> None:
   except Exception as e:  # noqa: BLE001  (one line for every error; --debug shows the traceback)
     if args.debug:
       raise
-    sys.exit(f"tfx.train: {explain(e, args.workdir)}")
+    message = f"tfx.train: {explain(e, args.workdir)}"
+    if argv is None:  # the command line: orbax's background threads may still print at interpreter exit
+      print(message, file=sys.stderr, flush=True)
+      _quiet_exit(1)
+    sys.exit(message)
+
+
+def _quiet_exit(code: int) -> None:
+  """Exits after the one-line message with stderr closed: a failed async save leaves threads that
+  print 'Event loop is closed' tracebacks while the interpreter shuts down."""
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 2)
+  sys.exit(code)
 
 
 if __name__ == "__main__":
