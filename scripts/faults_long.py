@@ -199,7 +199,7 @@ def main():
     flip_latest(w("damaged"), truncate)
     proc = tfx("tfx.checkpoints", "--workdir", w("damaged"))
     listed = proc.returncode == 1 and "damaged" in proc.stdout
-    proc = tfx("tfx.train", *flags(w("damaged"), tokenizer))
+    proc = tfx("tfx.train", *flags(w("damaged"), ""))  # the reference's own settings
     fell_back = proc.returncode == 0 and "is damaged" in proc.stdout and "Traceback" not in proc.stderr
     tally.fault(name, listed and fell_back and same_run(w("reference"), w("damaged")), proc.stderr[-1500:])
 
@@ -270,11 +270,11 @@ def main():
                       "  c = tiny.get_config()\n  c.train.steps = 'ten'\n  return c\n")]:
     open(bad, "w").write(text)
     tally.bad_input(name, tfx("tfx.train", "--config", bad, "--workdir", w("bad_run")))
-  tally.bad_input("resume with another MLP", tfx("tfx.train", *flags(w("reference"), tokenizer,
+  tally.bad_input("resume with another MLP", tfx("tfx.train", *flags(w("reference"), "",
                                                                      "--config.model.mlp=relu")))
-  tally.bad_input("resume with another batch size", tfx("tfx.train", *flags(w("reference"), tokenizer,
+  tally.bad_input("resume with another batch size", tfx("tfx.train", *flags(w("reference"), "",
                                                                             "--config.train.batch_size=16")))
-  tally.bad_input("restore_step that does not exist", tfx("tfx.train", *flags(w("reference"), tokenizer,
+  tally.bad_input("restore_step that does not exist", tfx("tfx.train", *flags(w("reference"), "",
                                                                               "--config.train.restore_step=7")))
   for name, extra in [("generate --temperature nan", ["--temperature", "nan"]),
                       ("generate --top-p 0", ["--top-p", "0"]),
