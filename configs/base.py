@@ -163,6 +163,28 @@ def get_config() -> ml_collections.ConfigDict:
   # Stop after this many steps of this invocation (0 = run to train.steps); the run resumes
   # from its last checkpoint next time. Used to test preemption and resume.
   c.train.stop_after = 0
+  # What a step with a NaN/Inf loss or gradient norm does: 'stop' (a record in metrics.jsonl, exit
+  # non-zero, nothing bad saved), 'skip' (drop that update, count it) or 'rewind' (go back to the
+  # last good checkpoint and continue with the next batches).
+  c.train.on_nonfinite = "stop"
+  # skip: stop after more than this many non-finite steps in a row; rewind: after this many rewinds
+  # without a new good checkpoint.
+  c.train.max_skipped = 10
+  # Warn (a `loss_spike` record) when a step's loss exceeds this factor times the running median of
+  # the last 100 losses (0 = off).
+  c.train.spike_factor = 3.0
+  # TEST HOOK, not a setting: the first attempt at this step sees NaN parameters, so its loss and
+  # gradients are NaN (0 = off). Used by tests/test_faults.py to exercise train.on_nonfinite.
+  c.train.poison_step = 0
+  # Resume from this checkpoint step instead of the newest good one (0 = the newest). Later
+  # checkpoints are moved to WORKDIR/checkpoints_set_aside/, not deleted.
+  c.train.restore_step = 0
+  # Resume although the config changes what the checkpoints mean (model, objective, seq_len, batch
+  # size, seed, corpus); recorded in metrics.jsonl. Without it such a resume is refused.
+  c.train.allow_config_change = False
+  # Seconds after the last heartbeat when another run may take over this workdir's lock (a run on
+  # the same host whose process is gone is taken over at once).
+  c.train.lock_timeout = 120.0
 
   # ---------------------------------------------------------------- optim
   c.optim = ml_collections.ConfigDict()

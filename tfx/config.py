@@ -36,11 +36,75 @@ def load_config_file(path: str, arg: str | None = None) -> ml_collections.Config
     sys.path.insert(0, parent)
   spec = importlib.util.spec_from_file_location(f"tfx_config_{abs(hash(path))}", path)
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  if not hasattr(module, "get_config"):
-    raise ConfigError(f"config file {path!r} has no get_config() function")
-  config = module.get_config(arg) if arg is not None else module.get_config()
+  try:
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+      raise ConfigError(f"config file {path!r} has no get_config() function")
+    config = module.get_config(arg) if arg is not None else module.get_config()
+  except ConfigError:
+    raise
+  except SyntaxError as e:
+    raise ConfigError(f"config file {e.filename or path} line {e.lineno}: {e.msg}; fix the Python syntax") from None
+  except Exception as e:  # noqa: BLE001  (a config file is user code: any error is the user's to fix)
+    raise ConfigError(f"config file {path!r} failed: {type(e).__name__}: {e} (at {_user_frame(e, path)})") from None
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigError(f"config file {path!r}: get_config() returned a {type(config).__name__}, not a ConfigDict")
   return config
+
+
+def _user_frame(error: BaseException, path: str) -> str:
+  """'file:line' of the innermost frame of the traceback in a config file (else the innermost)."""
+  import traceback
+
+  frames = traceback.extract_tb(error.__traceback__)
+  ours = [f for f in frames if f.filename.endswith(".py") and "configs" in f.filename] or frames
+  return f"{ours[-1].filename}:{ours[-1].lineno}" if ours else path
+
+
+def _reference_config() -> ml_collections.ConfigDict | None:
+  """configs/base.py of this tfx checkout: the fields that exist (None when it is not there)."""
+  base = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.py")
+  if not os.path.isfile(base):
+    return None
+  spec = importlib.util.spec_from_file_location("tfx_reference_base_config", base)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def schema_problems(config, reference, prefix: str = "") -> list[str]:
+  """Keys of `config` that `reference` (configs/base.py) lacks, and values of another type: a config
+  file is held to the rules of the command line. The objective section is checked by its objective."""
+  import difflib
+
+  problems = []
+  for key, value in config.items():
+    dotted = f"{prefix}{key}"
+    if key not in reference:
+      close = difflib.get_close_matches(key, list(reference.keys()), n=1)
+      problems.append(f"unknown config key {dotted!r}" + (f" (did you mean '{prefix}{close[0]}'?)" if close else
+                                                           f"; keys of {prefix[:-1] or 'config'}: "
+                                                           f"{', '.join(sorted(reference.keys()))}"))
+      continue
+    want = reference[key]
+    if isinstance(want, ml_collections.ConfigDict):
+      if not isinstance(value, ml_collections.ConfigDict):
+        problems.append(f"config key {dotted!r} is a section; got {value!r}")
+      elif dotted != "objective":
+        problems.extend(schema_problems(value, want, dotted + "."))
+    elif not _same_type(value, want):
+      problems.append(f"{dotted}={value!r}: expected a {type(want).__name__} like {want!r}")
+  return problems
+
+
+def _same_type(value, want) -> bool:
+  if isinstance(want, bool) or isinstance(value, bool):
+    return isinstance(value, bool) and isinstance(want, bool)
+  if isinstance(want, float):
+    return isinstance(value, (int, float))
+  if isinstance(want, (list, tuple)):
+    return isinstance(value, (list, tuple))
+  return want is None or isinstance(value, type(want))
 
 
 def _parse_value(key: str, text: str, current: Any) -> Any:
@@ -135,6 +199,10 @@ def load_config(path: str, overrides: Sequence[str] = ()) -> ml_collections.Conf
   if ":" in os.path.basename(path):
     path, arg = path.rsplit(":", 1)
   config = load_config_file(path, arg)
+  reference = _reference_config()
+  problems = schema_problems(config, reference) if reference is not None else []
+  if problems:
+    raise ConfigError(f"config file {path}:\n  - " + "\n  - ".join(problems))
   pairs = parse_overrides(overrides)
   file_objective = config.objective.get("name", "") if "objective" in config else ""
   for key, value in pairs:
@@ -223,6 +291,9 @@ _CHOICES = {
 }
 
 
+NONFINITE_POLICIES = ("stop", "skip", "rewind")
+
+
 def _get(config, dotted: str):
   node = config
   for part in dotted.split("."):
@@ -298,8 +369,14 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int, process_cou
     problems.append("model.relative_buckets must be >= 4 and model.relative_max_distance >= relative_buckets / 2")
   if m.position == "sinusoidal" and m.d_model % 2:
     problems.append(f"sinusoidal positions need an even model.d_model (got {m.d_model})")
-  if not 0.0 <= m.dropout < 1.0:
-    problems.append(f"model.dropout={m.dropout} must be in [0, 1)")
+  for key in ("dropout", "attention_dropout"):
+    if not 0.0 <= m[key] < 1.0:
+      problems.append(f"model.{key}={m[key]} must be in [0, 1)")
+  if m.num_decoder_layers < 0:
+    problems.append(f"model.num_decoder_layers={m.num_decoder_layers} must be >= 1 (or 0 = as many as num_layers)")
+  for key in ("norm_eps", "init_std"):
+    if not m[key] > 0:
+      problems.append(f"model.{key}={m[key]} must be positive")
 
   try:
     FAMILIES.get(m.family)
@@ -325,15 +402,35 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int, process_cou
 
   if t.steps < 1:
     problems.append(f"train.steps={t.steps} must be at least 1")
+  if t.batch_size < 1:
+    problems.append(f"train.batch_size={t.batch_size} must be at least 1")
+  if t.seed < 0:
+    problems.append(f"train.seed={t.seed} must be >= 0")
+  if t.keep_checkpoints < 1:
+    problems.append(f"train.keep_checkpoints={t.keep_checkpoints} must be at least 1 (checkpoints kept)")
   for key in ("log_every", "eval_every", "checkpoint_every", "stop_after"):
     if t[key] < 0:
       problems.append(f"train.{key}={t[key]} must be >= 0")
   if t.log_every == 0:
     problems.append("train.log_every must be at least 1")
+  if t.get("on_nonfinite", "stop") not in NONFINITE_POLICIES:
+    problems.append(f"train.on_nonfinite={t.on_nonfinite!r}: choose one of {', '.join(NONFINITE_POLICIES)}")
+  for key in ("max_skipped", "spike_factor", "poison_step", "restore_step"):
+    if t.get(key, 0) < 0:
+      problems.append(f"train.{key}={t[key]} must be >= 0")
+  if not t.get("lock_timeout", 1.0) > 0:
+    problems.append(f"train.lock_timeout={t.lock_timeout} must be positive (seconds)")
   if t.grad_accum < 1:
     problems.append(f"train.grad_accum={t.grad_accum} must be at least 1")
-  if o.learning_rate <= 0:
-    problems.append(f"optim.learning_rate={o.learning_rate} must be positive")
+  if not 0 < o.learning_rate < float("inf"):
+    problems.append(f"optim.learning_rate={o.learning_rate} must be positive and finite")
+  if not (0.0 <= o.b1 < 1.0 and 0.0 <= o.b2 < 1.0 and o.eps > 0 and 0.0 <= o.final_lr_fraction <= 1.0):
+    problems.append("optim.b1 and optim.b2 must be in [0, 1), optim.eps positive, optim.final_lr_fraction in [0, 1]")
+  g = config.get("generate")
+  if g is not None and not (0.0 <= g.temperature < float("inf") and g.top_k >= 0 and 0.0 < g.top_p <= 1.0
+                            and g.max_new_tokens >= 1):
+    problems.append("generate.temperature must be finite and >= 0, generate.top_k >= 0, 0 < generate.top_p <= 1, "
+                    "generate.max_new_tokens >= 1")
   if o.warmup_steps < 0 or o.grad_clip < 0 or o.weight_decay < 0:
     problems.append("optim.warmup_steps, optim.grad_clip and optim.weight_decay must be >= 0")
   problems.extend(_log_problems(config))

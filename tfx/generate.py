@@ -20,6 +20,7 @@ of the next token at the last fed position.
 
 import argparse
 import functools
+import math
 import sys
 from typing import Any
 
@@ -143,6 +144,9 @@ def check_fits(model: nn.Module, prompt_length: int, max_new_tokens: int) -> Non
   if max_new_tokens < 1:
     raise UserError(f"max_new_tokens={max_new_tokens} must be at least 1")
   room = model.cfg.max_length
+  if prompt_length > room:
+    raise UserError(f"the prompt has {prompt_length} tokens but the model's maximum length (data.seq_len) is "
+                    f"{room}: no token can follow it; shorten the prompt to at most {room} tokens")
   if prompt_length + max_new_tokens - 1 > room:
     raise UserError(
         f"prompt of {prompt_length} tokens + {max_new_tokens} new tokens does not fit in the model's "
@@ -362,8 +366,9 @@ def run(args: argparse.Namespace) -> list[str]:
   max_new = pick(args.max_new_tokens, g.max_new_tokens)
   temperature = pick(args.temperature, g.temperature)
   top_k, top_p = pick(args.top_k, g.top_k), pick(args.top_p, g.top_p)
-  if temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0:
-    raise UserError("need --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
+  if not (math.isfinite(temperature) and temperature >= 0) or top_k < 0 or not 0.0 < top_p <= 1.0:
+    raise UserError(f"need a finite --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1 (got {temperature}, "
+                    f"{top_k}, {top_p})")
   if args.num_samples < 1:
     raise UserError("--num-samples must be at least 1")
   if config.model.family == "encoder_decoder":

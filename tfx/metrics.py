@@ -314,16 +314,38 @@ class MetricsWriter:
       self._tb.truncate_after(step)
     if not self.path.exists():
       return
-    lines = [ln for ln in self.path.read_text().splitlines(keepends=True) if ln.strip()]
-    kept = [ln for ln in lines if json.loads(ln)["step"] <= step]
-    if kept != lines:
-      self.path.write_text("".join(kept))
+    text = self.path.read_text()
+    records = parse_records(text, str(self.path))
+    kept = "".join(json.dumps(r) + "\n" for r in records if r["step"] <= step)
+    if kept != text:
+      self.path.write_text(kept)
     self._text = None  # gs://: read again on the next record
 
 
+def parse_records(text: str, name: str = "metrics.jsonl") -> list[dict]:
+  """The records of a metrics.jsonl text. A torn last line (a write cut by a kill or a full disk) is
+  dropped with a warning on stderr; a damaged line elsewhere is a UserError naming it."""
+  lines = text.splitlines()
+  out = []
+  for i, line in enumerate(lines):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+      if not isinstance(record, dict) or "step" not in record:
+        raise ValueError("not a record")
+    except ValueError:
+      if i == len(lines) - 1:
+        print(f"warning: {name}: dropped a torn last line ({line[:60]!r}...)", file=sys.stderr)
+        break
+      raise UserError(f"{name} line {i + 1} is not a metrics record ({line[:60]!r}); fix or delete that line")
+    out.append(record)
+  return out
+
+
 def read_metrics(workdir) -> list[dict]:
-  text = (epath.Path(workdir) / "metrics.jsonl").read_text()
-  return [json.loads(line) for line in text.splitlines() if line.strip()]
+  path = epath.Path(workdir) / "metrics.jsonl"
+  return parse_records(path.read_text(), str(path))
 
 
 def _duration(seconds: float) -> str:

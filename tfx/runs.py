@@ -3,6 +3,8 @@
 Used by tfx.generate, tfx.convert, tfx.finetune and tfx.sweep.
 """
 
+import sys
+
 import flax.linen as nn
 from etils import epath
 
@@ -45,11 +47,12 @@ def restore_params(workdir: str, config, tokenizer, model: nn.Module, mesh, step
   objective = OBJECTIVES.get(config.objective.name).from_config(config.objective, SpecialIds.from_tokenizer(tokenizer))
   abstract, shardings = state_shardings(model, tx, mesh, config.data.seq_len, objective, config.train.batch_size)
   mngr = checkpoint.manager(workdir, keep=config.train.keep_checkpoints, async_save=False)
-  step = mngr.latest_step() if step is None else step
-  if step is None:
-    raise UserError(f"{workdir}/checkpoints has no checkpoint yet")
-  state, _ = checkpoint.restore(mngr, step, checkpoint.abstract_like(abstract, shardings))
+  restored = checkpoint.restore_good(workdir, mngr, checkpoint.abstract_like(abstract, shardings), step=step or 0,
+                                     move_aside=False, note=lambda text: print(text, file=sys.stderr))
   mngr.close()
+  if restored is None:
+    raise UserError(f"{workdir}/checkpoints has no checkpoint yet")
+  state, _, step = restored
   return state.params, step
 
 

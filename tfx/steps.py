@@ -137,22 +137,46 @@ def _loss_and_grads(exp: Experiment, params, batch, rng, objective_state=None):
 
 
 def make_train_step(exp: Experiment, shardings):
-  """Jitted (state, batch) -> (state, metrics), state donated, shardings pinned."""
+  """Jitted (state, batch[, poison]) -> (state, metrics), state donated, shardings pinned.
 
-  def step_fn(state: TrainState, batch):
+  metrics["nonfinite"] is 1.0 when the step's loss or gradient norm is not finite (computed on
+  device, read with the other metrics). With train.on_nonfinite == "skip" such a step leaves
+  params, optimizer and objective state as they were (the step counter still advances). With
+  train.poison_step > 0 (a test hook) the step takes a third argument, a float32 scalar that
+  multiplies the parameters the loss sees: 1.0 normally, NaN to inject a non-finite step.
+  """
+  train_cfg = exp.config.get("train", {})
+  skip = train_cfg.get("on_nonfinite", "stop") == "skip"
+  poisonable = train_cfg.get("poison_step", 0) > 0
+
+  def step_fn(state: TrainState, batch, poison=None):
     rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-    metrics, grads, objective_state = _loss_and_grads(exp, state.params, batch, rng, state.objective_state)
+    params_in = state.params if poison is None else jax.tree.map(lambda p: p * poison.astype(p.dtype), state.params)
+    metrics, grads, objective_state = _loss_and_grads(exp, params_in, batch, rng, state.objective_state)
     updates, opt_state = exp.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = dict(metrics, grad_norm=optax.global_norm(grads), learning_rate=exp.schedule(state.step))
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                         objective_state=objective_state), metrics
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+    new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, objective_state=objective_state)
+    if skip:  # a non-finite step changes nothing but the counter
+      keep = lambda n, o: jnp.where(finite, n, o)
+      new = new.replace(params=jax.tree.map(keep, new.params, state.params),
+                        opt_state=jax.tree.map(keep, new.opt_state, state.opt_state),
+                        objective_state=jax.tree.map(keep, new.objective_state, state.objective_state))
+    metrics = dict(metrics, grad_norm=grad_norm, learning_rate=exp.schedule(state.step),
+                   nonfinite=1.0 - finite.astype(jnp.float32))
+    return new, metrics
 
-  jitted = jax.jit(step_fn, in_shardings=(shardings, parallel.batch_sharding(exp.mesh)),
+  in_shardings = (shardings, parallel.batch_sharding(exp.mesh))
+  if poisonable:
+    in_shardings += (parallel.replicated(exp.mesh),)
+  jitted = jax.jit(step_fn, in_shardings=in_shardings,
                    out_shardings=(shardings, parallel.replicated(exp.mesh)), donate_argnums=(0,))
 
-  def run(state, batch):
+  def run(state, batch, poison=None):
     with parallel.context(exp.mesh):
+      if poisonable:
+        return jitted(state, batch, jnp.float32(1.0 if poison is None else poison))
       return jitted(state, batch)
 
   run.jitted = jitted  # for tfx.bench: lower().compile() timing

@@ -16,6 +16,7 @@ Reads as a story:
 import inspect
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -26,9 +27,11 @@ import jax
 import ml_collections
 import numpy as np
 
-from tfx import checkpoint, config as config_lib, flops, gcs, parallel
+from tfx import checkpoint, config as config_lib, drift, flops, gcs, parallel
 from tfx.data.training import corpus_changes, training_data
-from tfx.errors import DataError, UserError
+from tfx.errors import DataError, UserError, explain
+from tfx.guard import REWIND, Guard, NonFiniteError
+from tfx.lock import WorkdirLock
 from tfx.metrics import MetricsWriter, Progress
 from tfx.models import build_model
 from tfx.objectives import Objective, SpecialIds
@@ -74,17 +77,31 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> Experiment:
 
 
 class _Preemption:
-  """SIGTERM sets a flag; the loop saves a checkpoint and exits at the next step."""
+  """SIGTERM (and, with `interrupt`, a first Ctrl-C) sets a flag; the loop saves a checkpoint and
+  exits at the next step. A second Ctrl-C raises KeyboardInterrupt at once. `close` puts the
+  previous handlers back."""
 
-  def __init__(self):
+  def __init__(self, interrupt: bool = False):
     self.requested = False
-    try:
-      signal.signal(signal.SIGTERM, self._handle)
-    except ValueError:  # not the main thread (e.g. inside a test runner thread)
-      pass
+    self._previous = {}
+    for sig in (signal.SIGTERM, signal.SIGINT) if interrupt else (signal.SIGTERM,):
+      try:
+        self._previous[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread (e.g. inside a test runner thread)
+        pass
 
   def _handle(self, signum, frame):
+    if signum == signal.SIGINT:
+      if self.requested:
+        raise KeyboardInterrupt
+      print("\nCtrl-C: saving a checkpoint at the end of this step, then stopping (Ctrl-C again to abort "
+            "without saving)", file=sys.stderr, flush=True)
     self.requested = True
+
+  def close(self) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+    self._previous = {}
 
   def should_stop(self) -> bool:
     if jax.process_count() == 1:
@@ -96,8 +113,7 @@ class _Preemption:
 
 
 def write_config(config, workdir) -> None:
-  if jax.process_index() == 0:
-    (epath.Path(workdir) / "config.json").write_text(config_lib.to_json(config))
+  drift.write_config(config, workdir)
 
 
 def objective_source(objective: Objective) -> dict[str, Any]:
@@ -149,42 +165,92 @@ def _restore_data_position(exp: Experiment, data_state: dict, writer: MetricsWri
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Trains (or resumes) `config` in `workdir`; returns a summary of the run."""
-  gcs.preflight(workdir, config.data.source, config.data.tokenizer)  # gs:// fails here, in seconds
-  epath.Path(workdir).mkdir(parents=True, exist_ok=True)
-  t = config.train
-  exp = build(config, workdir)
-  write_config(config, workdir)
-  progress = Progress(t.steps)
-  writer = MetricsWriter(workdir, config=config)
-  _record_objective_source(exp, writer, progress)
-  stats = exp.pipeline.stats
-  progress.note(f"tfx: {config.model.family} + {config.objective.name} on {config.data.source}: "
-                f"{stats.get('train_documents', '?')} train / {stats.get('eval_documents', '?')} eval documents, "
-                f"vocab {exp.tokenizer.vocab_size}, mesh {dict(exp.mesh.shape)}, workdir {workdir}")
+  """Trains (or resumes) `config` in `workdir`; returns a summary of the run.
 
-  abstract, shardings = state_shardings(exp.model, exp.tx, exp.mesh, config.data.seq_len, exp.objective,
-                                        t.batch_size)
+  Nothing is written to the workdir before the config is valid and (on resume) agrees with the
+  run's config.json; then the run holds WORKDIR/tfx.lock until it returns."""
+  gcs.preflight(workdir, config.data.source, config.data.tokenizer)  # gs:// fails here, in seconds
+  load_builtins()
+  config_lib.validate(config, num_devices=jax.device_count(), process_count=jax.process_count())
+  diffs = drift.check(config, workdir, has_checkpoint=bool(checkpoint.steps(workdir)))
+  created = not epath.Path(workdir).exists()
+  epath.Path(workdir).mkdir(parents=True, exist_ok=True)
+  with WorkdirLock(workdir, timeout=config.train.lock_timeout) as lock:
+    progress = Progress(config.train.steps)
+    if lock.took_over is not None:
+      progress.note(f"took over the lock of a run that is gone (host {lock.took_over.get('host')}, pid "
+                    f"{lock.took_over.get('pid')})")
+    return _run_locked(config, workdir, diffs, progress, created)
+
+
+def _run_locked(config, workdir: str, diffs: dict, progress: Progress, created: bool) -> dict[str, Any]:
+  t = config.train
+  try:
+    exp = build(config, workdir)
+  except UserError:  # bad data settings: a workdir this call created goes away again
+    if created and "://" not in workdir and jax.process_index() == 0:
+      shutil.rmtree(workdir, ignore_errors=True)
+    raise
+  writer = MetricsWriter(workdir, config=config)
   mngr = checkpoint.manager(workdir, keep=t.keep_checkpoints, async_save=t.async_checkpoint)
-  latest = mngr.latest_step()
-  if latest is not None:
-    state, data_state = checkpoint.restore(mngr, latest, checkpoint.abstract_like(abstract, shardings))
+  try:
+    if mngr.latest_step() is None:
+      writer.truncate_after(-1)  # records of an earlier attempt that died before its first checkpoint
+    _record_objective_source(exp, writer, progress)
+    stats = exp.pipeline.stats
+    progress.note(f"tfx: {config.model.family} + {config.objective.name} on {config.data.source}: "
+                  f"{stats.get('train_documents', '?')} train / {stats.get('eval_documents', '?')} eval documents, "
+                  f"vocab {exp.tokenizer.vocab_size}, mesh {dict(exp.mesh.shape)}, workdir {workdir}")
+    abstract, shardings = state_shardings(exp.model, exp.tx, exp.mesh, config.data.seq_len, exp.objective,
+                                          t.batch_size)
+    guard = Guard(t, writer, progress)
+    return _train(exp, mngr, guard, writer, progress, abstract, shardings, diffs)
+  finally:  # a save in flight completes (or fails loudly) on every way out
+    checkpoint.finish(mngr)
+    mngr.close()
+    writer.close()
+
+
+def _fresh_state(exp: Experiment, shardings):
+  t = exp.config.train
+  return init_state(exp.model, exp.tx, exp.mesh, exp.config.data.seq_len, t.seed, shardings, exp.objective,
+                    t.batch_size)
+
+
+def _train(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress: Progress, abstract, shardings,
+           diffs: dict):
+  config, workdir, t = exp.config, exp.workdir, exp.config.train
+  restored = checkpoint.restore_good(workdir, mngr, checkpoint.abstract_like(abstract, shardings),
+                                      step=t.restore_step, note=progress.note)
+  if restored is not None:
+    state, data_state, latest = restored
     _restore_data_position(exp, data_state, writer, latest, progress)
     writer.truncate_after(latest)
+    guard.good_checkpoint = latest
     progress.note(f"resumed from {mngr.directory}/{latest}")
   else:
-    state = init_state(exp.model, exp.tx, exp.mesh, config.data.seq_len, t.seed, shardings, exp.objective,
-                       t.batch_size)
+    latest, state = 0, _fresh_state(exp, shardings)
+  drift.write_config(config, workdir, latest)  # only now: the restore succeeded
+  drift.record(writer, progress, latest, diffs, config)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
   progress.note(f"parameters: {n_params:,}")
 
+  preempt = _Preemption(interrupt=True)
+  try:
+    return _loop(exp, mngr, guard, writer, progress, abstract, shardings, state, preempt)
+  finally:
+    preempt.close()
+
+
+def _loop(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress: Progress, abstract, shardings, state,
+          preempt: _Preemption):
+  config, workdir, t = exp.config, exp.workdir, exp.config.train
   train_step = make_train_step(exp, shardings)
   eval_step = make_eval_step(exp, shardings)
   eval_batches = exp.pipeline.eval_batches()
   tokens_per_step = t.batch_size * exp.pipeline.row_length
   model_flops = exp.objective.train_flops_per_row(exp.model.cfg, config.data.seq_len) * t.batch_size
   peak = flops.device_peak_flops()
-  preempt = _Preemption()
 
   step = int(jax.device_get(state.step))
   start_step = step
@@ -193,19 +259,30 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     writer.write(0, "eval", initial)
     progress.eval(0, initial["loss"], initial.get("accuracy", float("nan")))
   pending: list[dict] = []
+  checked = 0  # pending[:checked] passed the guard
   last_time, last_step = time.time(), step
   eval_record = None
   while step < t.steps:
     batch = parallel.global_batch(exp.pipeline.next_batch(), exp.mesh)
-    state, metrics = train_step(state, batch)
+    state, metrics = train_step(state, batch, guard.poison(step + 1))
     step += 1
     pending.append(metrics)
     if step == start_step + 1:  # the first step compiles: keep it out of the throughput
       jax.block_until_ready(metrics)
       last_time, last_step = time.time(), step
-    if step % t.log_every == 0 or step == t.steps:
-      values = {k: float(np.mean([m[k] for m in jax.device_get(pending)])) for k in pending[0]}
-      pending = []
+    log_due = step % t.log_every == 0 or step == t.steps
+    stopping = (t.stop_after and step - start_step >= t.stop_after) or preempt.should_stop()
+    save_due = (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps or stopping
+    if log_due or save_due:  # the flags are read where the metrics are (and before any save)
+      if guard.check(pending[checked:], step) == REWIND:
+        state, step = _rewind(exp, mngr, guard, writer, abstract, shardings)
+        pending, checked = [], 0
+        last_time, last_step = time.time(), step
+        continue
+      checked = len(pending)
+    if log_due:
+      values = _train_values(jax.device_get(pending))
+      pending, checked = [], 0
       now = time.time()
       timed = step - last_step
       sec_per_step = (now - last_time) / timed if timed else None
@@ -219,17 +296,47 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       eval_record = writer.write(step, "eval", eval_values)
       progress.eval(step, eval_values["loss"], eval_values.get("accuracy", float("nan")))
       last_time = time.time()  # evaluation time is not training throughput
-    stopping = (t.stop_after and step - start_step >= t.stop_after) or preempt.should_stop()
-    if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps or stopping:
-      checkpoint.save(mngr, step, state, dict(exp.pipeline.state(), corpus=exp.corpus))
+    if save_due:
+      _save(exp, mngr, guard, step, state)
       writer.flush()
     if stopping:
       progress.note(f"stopping at step {step} (checkpoint saved); run the same command to resume")
       break
-  mngr.wait_until_finished()
-  mngr.close()
-  writer.close()
   return {"step": step, "workdir": workdir, "state": state, "last_eval": eval_record, "experiment": exp}
+
+
+def _train_values(host: list[dict]) -> dict[str, float]:
+  """The mean of each metric over the logged steps; steps skipped as non-finite are left out (and counted)."""
+  finite = [m for m in host if not float(m["nonfinite"])]
+  values = {k: float(np.mean([m[k] for m in (finite or host)])) for k in host[0] if k != "nonfinite"}
+  if len(finite) < len(host):
+    values["skipped"] = float(len(host) - len(finite))
+  return values
+
+
+def _save(exp: Experiment, mngr, guard: Guard, step: int, state) -> None:
+  """Checkpoints a state known to be finite (the guard read every step's flags; the parameters are
+  checked once more on device here): a bad state is never saved."""
+  if not checkpoint.all_finite(state.params):
+    raise NonFiniteError(f"the parameters at step {step} are not finite although every step's loss and gradient "
+                         f"were; nothing was saved (last good checkpoint: {guard.good_checkpoint}). "
+                         f"Lower optim.learning_rate and run the same command to resume")
+  checkpoint.save(mngr, step, state, dict(exp.pipeline.state(), corpus=exp.corpus))
+  guard.saved(step)
+
+
+def _rewind(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, abstract, shardings):
+  """The state of the last good checkpoint (or the initial state), keeping the data position: the
+  steps after it are redone on the next batches. Records after that step are dropped."""
+  checkpoint.finish(mngr)
+  step = guard.good_checkpoint
+  if step is None:
+    state, step = _fresh_state(exp, shardings), 0
+  else:
+    state, _ = checkpoint.restore(mngr, step, checkpoint.abstract_like(abstract, shardings))
+  writer.truncate_after(step)
+  guard.rewound(step)
+  return state, step
 
 
 def list_objectives() -> str:
@@ -248,6 +355,7 @@ def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(prog="python -m tfx.train", description=__doc__.split("\n")[0])
   parser.add_argument("--config", help="config file, e.g. configs/quickstart.py")
   parser.add_argument("--workdir", help="run directory (resumed if it has checkpoints)")
+  parser.add_argument("--debug", action="store_true", help="show the traceback of an error (instead of one line)")
   parser.add_argument("--list-objectives", action="store_true",
                       help="print every registered objective, the families it drives and its fields, then exit")
   args, overrides = parser.parse_known_args(argv)
@@ -256,12 +364,34 @@ def main(argv: list[str] | None = None) -> None:
     return
   if not args.config or not args.workdir:
     parser.error("--config and --workdir are required")
+  if not args.debug:  # orbax logs a failed background save with its traceback; the error is explained below
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.FATAL)
   parallel.initialize_distributed()
   try:
     config = config_lib.load_config(args.config, overrides)
     run(config, args.workdir)
-  except UserError as e:
-    sys.exit(f"tfx.train: {e}")
+  except KeyboardInterrupt:
+    print(f"tfx.train: aborted by a second Ctrl-C; the last checkpoint in {args.workdir} is kept: run the same "
+          f"command to resume from it", file=sys.stderr)
+    sys.exit(130)
+  except Exception as e:  # noqa: BLE001  (one line for every error; --debug shows the traceback)
+    if args.debug:
+      raise
+    message = f"tfx.train: {explain(e, args.workdir)}"
+    if argv is None:  # the command line: orbax's background threads may still print at interpreter exit
+      print(message, file=sys.stderr, flush=True)
+      _quiet_exit(1)
+    sys.exit(message)
+
+
+def _quiet_exit(code: int) -> None:
+  """Exits after the one-line message with stderr closed: a failed async save leaves threads that
+  print 'Event loop is closed' tracebacks while the interpreter shuts down."""
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 2)
+  sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,312 @@
+"""Runs that protect themselves: non-finite steps under each policy, damaged checkpoints, config
+drift, one writer per workdir, clean exits and one-line errors (issue 13). The long version, with
+SIGKILLs at random moments, is scripts/faults_long.py."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT, tiny_config
+from tfx import train
+from tfx.metrics import read_metrics
+
+
+def small(tokenizer, *overrides):
+  return tiny_config(f"--config.data.tokenizer={tokenizer}", "--config.data.max_documents=60",
+                     "--config.train.steps=8", "--config.train.log_every=2", "--config.train.eval_every=0",
+                     "--config.train.checkpoint_every=4", *overrides)
+
+
+def params_of(result):
+  return jax.tree.map(np.asarray, jax.device_get(result["state"].params))
+
+
+def events(workdir, name=None):
+  return [r for r in read_metrics(workdir) if r["split"] == "event" and (name is None or r["event"] == name)]
+
+
+# ----------------------------------------------------------------------------- non-finite steps
+
+
+def test_nonfinite_stop_saves_nothing_bad(tmp_path, shared_tokenizer):
+  """NaN at step 3 with log_every=5: the checkpoint due at step 4 reads the flags first, so nothing
+  is saved, a `nonfinite` record names the step, and the error says what to do."""
+  workdir = str(tmp_path / "run")
+  with pytest.raises(train.NonFiniteError, match=r"non-finite loss nan.*at step 3.*on_nonfinite=skip"):
+    train.run(small(shared_tokenizer, "--config.train.poison_step=3", "--config.train.log_every=5"), workdir)
+  assert not os.listdir(tmp_path / "run" / "checkpoints")
+  [record] = events(workdir, "nonfinite")
+  assert record["step"] == 3 and record["loss"] == "nan" and record["policy"] == "stop"
+
+
+def test_nonfinite_skip_drops_exactly_that_update(tmp_path, shared_tokenizer):
+  """skip: the poisoned step 3 leaves the parameters exactly as step 2 left them, is counted, and the
+  run goes on to the end with finite parameters."""
+  skipped = train.run(small(shared_tokenizer, "--config.train.poison_step=3", "--config.train.on_nonfinite=skip",
+                            "--config.train.stop_after=3"), str(tmp_path / "skip"))
+  two = train.run(small(shared_tokenizer, "--config.train.stop_after=2"), str(tmp_path / "two"))
+  jax.tree.map(np.testing.assert_array_equal, params_of(skipped), params_of(two))
+  [record] = events(str(tmp_path / "skip"), "nonfinite_skipped")
+  assert record["steps"] == [3] and record["total_skipped"] == 1
+  # more than max_skipped in a row stops
+  with pytest.raises(train.NonFiniteError, match="non-finite steps in a row"):
+    train.run(small(shared_tokenizer, "--config.train.poison_step=1", "--config.train.on_nonfinite=skip",
+                    "--config.train.max_skipped=0"), str(tmp_path / "give_up"))
+
+
+def test_nonfinite_rewind_goes_back_and_continues(tmp_path, shared_tokenizer):
+  """rewind: NaN at step 6 -> back to the checkpoint of step 4, steps 5.. redone on the next batches;
+  every train step is logged once, records up to step 4 are those of a clean run."""
+  clean = str(tmp_path / "clean")
+  train.run(small(shared_tokenizer, "--config.train.log_every=1"), clean)
+  workdir = str(tmp_path / "rewind")
+  result = train.run(small(shared_tokenizer, "--config.train.log_every=1", "--config.train.poison_step=6",
+                           "--config.train.on_nonfinite=rewind"), workdir)
+  assert result["step"] == 8
+  [record] = events(workdir, "rewind")
+  assert record["step"] == 4 and record["bad_step"] == 6
+  train_records = [r for r in read_metrics(workdir) if r["split"] == "train"]
+  assert [r["step"] for r in train_records] == list(range(1, 9))
+  clean_records = [r for r in read_metrics(clean) if r["split"] == "train"]
+  assert [r["loss"] for r in train_records[:4]] == [r["loss"] for r in clean_records[:4]]
+  assert train_records[4]["loss"] != clean_records[4]["loss"]  # step 5 again, on batch 7
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(params_of(result)))
+
+
+# ----------------------------------------------------------------------------- verified checkpoints
+
+
+def _largest_file(step_dir):
+  files = [os.path.join(r, n) for r, _, names in os.walk(step_dir) for n in names if n != "tfx_manifest.json"]
+  return max(files, key=os.path.getsize)
+
+
+def test_damaged_checkpoints_fall_back_and_are_listed(tmp_path, shared_tokenizer):
+  """A flipped bit in the latest checkpoint is caught by its manifest: one line, the previous step is
+  restored, the damaged one is moved aside (not deleted). A truncated file likewise; tfx.checkpoints
+  lists status and exits 1 while a damaged step is there; restore_step picks an older step."""
+  workdir = str(tmp_path / "run")
+  train.run(small(shared_tokenizer), workdir)  # checkpoints 4, 8 (async), each with a manifest
+  ckpts = tmp_path / "run" / "checkpoints"
+  for step in ("4", "8"):
+    manifest = json.loads((ckpts / step / "tfx_manifest.json").read_text())
+    assert manifest["finite"] and manifest["files"] and manifest["step"] == int(step)
+  path = _largest_file(ckpts / "8")
+  data = bytearray(open(path, "rb").read())
+  data[len(data) // 2] ^= 0x10
+  open(path, "wb").write(bytes(data))
+  proc = subprocess.run([sys.executable, "-m", "tfx.checkpoints", "--workdir", workdir], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1 and "damaged" in proc.stdout and "ok" in proc.stdout, proc.stdout + proc.stderr
+  result = train.run(small(shared_tokenizer, "--config.train.steps=12"), workdir)
+  assert result["step"] == 12
+  assert sorted(os.listdir(tmp_path / "run" / "checkpoints_set_aside")) == ["8"]
+  assert [r["step"] for r in read_metrics(workdir) if r["split"] == "train"] == [2, 4, 6, 8, 10, 12]
+  # truncated latest file: orbax cannot read it and the size check says so
+  path = _largest_file(ckpts / "12")
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) // 2)
+  result = train.run(small(shared_tokenizer, "--config.train.steps=14", "--config.train.checkpoint_every=2"),
+                     workdir)
+  assert result["step"] == 14 and "12" in os.listdir(tmp_path / "run" / "checkpoints_set_aside")
+  # restore_step: back to step 10; later steps set aside, and the next plain resume does not go back again
+  assert sorted(int(s) for s in os.listdir(ckpts) if s.isdigit()) == [10, 12, 14]
+  train.run(small(shared_tokenizer, "--config.train.steps=12", "--config.train.restore_step=10",
+                  "--config.train.checkpoint_every=2"), workdir)
+  assert sorted(int(s) for s in os.listdir(ckpts) if s.isdigit()) == [10, 12]
+  assert {"12.1", "14"} <= set(os.listdir(tmp_path / "run" / "checkpoints_set_aside"))
+  result = train.run(small(shared_tokenizer, "--config.train.steps=14", "--config.train.restore_step=10",
+                           "--config.train.checkpoint_every=2"), workdir)
+  assert result["step"] == 14 and sorted(int(s) for s in os.listdir(ckpts) if s.isdigit()) == [10, 12, 14]
+
+
+# ----------------------------------------------------------------------------- config drift
+
+
+def test_config_drift_refused_before_anything_is_written(tmp_path, shared_tokenizer):
+  """A resume that changes what the checkpoints mean (an MLP activation: same shapes) is refused,
+  naming the key and the override, and leaves config.json as it was; safe changes are logged and
+  the history is kept; the override resumes and says so in metrics.jsonl."""
+  workdir = str(tmp_path / "run")
+  train.run(small(shared_tokenizer, "--config.train.stop_after=4"), workdir)
+  before = (tmp_path / "run" / "config.json").read_text()
+  listing = sorted(os.listdir(workdir))
+  with pytest.raises(train.config_lib.ConfigError, match=r"model.mlp: 'gelu' -> 'relu'.*allow_config_change=true"):
+    train.run(small(shared_tokenizer, "--config.model.mlp=relu"), workdir)
+  assert (tmp_path / "run" / "config.json").read_text() == before and sorted(os.listdir(workdir)) == listing
+  with pytest.raises(train.config_lib.ConfigError, match=r"train.batch_size: 8 -> 16"):
+    train.run(small(shared_tokenizer, "--config.train.batch_size=16"), workdir)
+  train.run(small(shared_tokenizer, "--config.train.steps=6", "--config.train.stop_after=1"), workdir)  # safe
+  [changed] = events(workdir, "config_changed")
+  assert changed["step"] == 4 and changed["changes"]["train.steps"] == [8, 6] and not changed["override"]
+  assert {"config.0.json", "config.4.json", "config.json"} <= set(os.listdir(workdir))
+  assert json.loads((tmp_path / "run" / "config.4.json").read_text())["train"]["steps"] == 6
+  train.run(small(shared_tokenizer, "--config.train.steps=6", "--config.model.mlp=relu",
+                  "--config.train.allow_config_change=true"), workdir)
+  override = events(workdir, "config_changed")[-1]
+  assert override["override"] and override["changes"]["model.mlp"] == ["gelu", "relu"]
+
+
+# ----------------------------------------------------------------------------- one writer per workdir
+
+
+def test_lock_refuses_a_second_writer_and_takes_over_a_dead_one(tmp_path):
+  from tfx.lock import LockError, WorkdirLock
+
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  with WorkdirLock(str(workdir), timeout=60):
+    holder = json.loads((workdir / "tfx.lock").read_text())
+    assert holder["pid"] == os.getpid()
+    with pytest.raises(LockError, match=rf"in use by another run \(host .*pid {os.getpid()}, started .*UTC"):
+      WorkdirLock(str(workdir), timeout=60).acquire()
+  assert not (workdir / "tfx.lock").exists()  # released
+  # a holder on this host whose pid is gone: taken over at once
+  dead = subprocess.Popen([sys.executable, "-c", "pass"]); dead.wait()
+  (workdir / "tfx.lock").write_text(json.dumps({"host": holder["host"], "pid": dead.pid, "start": 0,
+                                                "heartbeat": 9e12, "token": "x"}))
+  lock = WorkdirLock(str(workdir), timeout=60).acquire()
+  assert lock.took_over["pid"] == dead.pid
+  lock.release()
+  # a holder elsewhere: refused until its heartbeat is older than the timeout
+  import time
+  (workdir / "tfx.lock").write_text(json.dumps({"host": "elsewhere", "pid": 1, "start": 0,
+                                                "heartbeat": time.time() - 5, "token": "y"}))
+  with pytest.raises(LockError, match="host elsewhere, pid 1"):
+    WorkdirLock(str(workdir), timeout=60).acquire()
+  WorkdirLock(str(workdir), timeout=2).acquire().release()
+
+
+def test_lock_on_gcs(tmp_path):
+  """The same lease on gs:// (the local GCS emulator): held, refused to a second writer, released."""
+  from tests.gcs_emulator import start_emulator
+
+  code = ("import sys; from tfx.lock import LockError, WorkdirLock\n"
+          "a = WorkdirLock('gs://tfx-test/run', timeout=60).acquire()\n"
+          "try:\n  WorkdirLock('gs://tfx-test/run', timeout=60).acquire(); print('BOTH')\n"
+          "except LockError as e:\n  print('REFUSED', e)\n"
+          "a.release()\nb = WorkdirLock('gs://tfx-test/run', timeout=60).acquire(); b.release(); print('AGAIN')\n")
+  with start_emulator("tfx-test") as env:
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **env, "JAX_PLATFORMS": "cpu"},
+                          capture_output=True, text=True, timeout=300)
+  assert "REFUSED" in proc.stdout and "AGAIN" in proc.stdout and "BOTH" not in proc.stdout, proc.stdout + proc.stderr
+
+
+# ----------------------------------------------------------------------------- clean exits, one-line errors
+
+BAD_FILES = {
+    "syntax.py": "def get_config(:\n",
+    "misspelt.py": "from configs import tiny\n\ndef get_config():\n  c = tiny.get_config()\n  c.train.setps = 5\n  return c\n",
+    "wrong_type.py": "from configs import tiny\n\ndef get_config():\n  c = tiny.get_config()\n  c.train.steps = 'ten'\n"
+                     "  return c\n",
+    "raises.py": "def get_config():\n  return 1 / 0\n",
+}
+BAD_OVERRIDES = {
+    "batch_size=0": ("--config.train.batch_size=0", "train.batch_size=0 must be at least 1"),
+    "seed=-1": ("--config.train.seed=-1", "train.seed=-1 must be >= 0"),
+    "num_decoder_layers=-2": ("--config.model.num_decoder_layers=-2", "model.num_decoder_layers=-2 must be >= 1"),
+    "attention_dropout=2": ("--config.model.attention_dropout=2.0", "model.attention_dropout=2.0 must be in [0, 1)"),
+    "keep_checkpoints=0": ("--config.train.keep_checkpoints=0", "train.keep_checkpoints=0 must be at least 1"),
+    "on_nonfinite": ("--config.train.on_nonfinite=maybe", "train.on_nonfinite='maybe': choose one of stop, skip"),
+    "learning_rate=nan": ("--config.optim.learning_rate=nan", "optim.learning_rate=nan must be positive and finite"),
+    "temperature=nan": ("--config.generate.temperature=nan", "generate.temperature must be finite"),
+    "unknown key": ("--config.train.setps=5", "unknown config key 'train.setps'"),
+}
+
+
+def test_bad_inputs_get_one_line_and_leave_no_trace(tmp_path, capsys):
+  """Every bad config (file or command line) exits 1 with one line naming the problem, before the
+  workdir exists."""
+  tried = 0
+  for name, text in BAD_FILES.items():
+    (tmp_path / name).write_text(text)
+  expected_files = {"syntax.py": "line 1", "misspelt.py": "unknown config key 'train.setps' (did you mean 'train.steps'",
+                    "wrong_type.py": "TypeError", "raises.py": "ZeroDivisionError"}
+  cases = [([str(tmp_path / name)], want) for name, want in expected_files.items()]
+  cases += [([os.path.join(ROOT, "configs", "tiny.py"), flag], want) for flag, want in BAD_OVERRIDES.values()]
+  for (config, *flags), want in cases:
+    workdir = tmp_path / f"run{tried}"
+    with pytest.raises(SystemExit) as info:
+      train.main(["--config", config, "--workdir", str(workdir), *flags])
+    message = str(info.value.code)
+    assert message.startswith("tfx.train: ") and want in message, (config, flags, message)
+    assert "Traceback" not in message and not workdir.exists(), (config, flags)
+    tried += 1
+  # a workdir that cannot be created: one line, no traceback
+  (tmp_path / "a_file").write_text("")
+  with pytest.raises(SystemExit) as info:
+    train.main(["--config", os.path.join(ROOT, "configs", "tiny.py"), "--workdir", str(tmp_path / "a_file" / "run")])
+  assert "tfx.train: " in str(info.value.code) and "Traceback" not in str(info.value.code)
+  assert tried == len(BAD_FILES) + len(BAD_OVERRIDES)
+
+
+def test_disk_full_is_one_line_and_the_run_resumes(tmp_path, shared_tokenizer, monkeypatch):
+  """An injected ENOSPC while writing metrics after step 4 (its checkpoint saved): one line saying
+  the disk is full and that the same command resumes; with space again it does, from step 4, and
+  metrics.jsonl with a torn last line is read with a warning and has no duplicate records."""
+  from tfx import metrics as metrics_lib
+
+  workdir = str(tmp_path / "run")
+  flags = ["--config", os.path.join(ROOT, "configs", "tiny.py"), "--workdir", workdir,
+           f"--config.data.tokenizer={shared_tokenizer}", "--config.data.max_documents=60", "--config.train.steps=8",
+           "--config.train.log_every=2", "--config.train.eval_every=0", "--config.train.checkpoint_every=4"]
+  real_append = metrics_lib.MetricsWriter._append
+
+  def append(self, record):
+    if record["step"] > 4:
+      with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 6, "spl')  # the write the full disk cut short
+      raise OSError(28, "No space left on device", os.path.join(workdir, "metrics.jsonl"))
+    real_append(self, record)
+
+  monkeypatch.setattr(metrics_lib.MetricsWriter, "_append", append)
+  with pytest.raises(SystemExit) as info:
+    train.main(flags)
+  message = str(info.value.code)
+  assert "is full" in message and "run the same command" in message and "\n" not in message, message
+  assert not os.path.exists(os.path.join(workdir, "tfx.lock"))  # released on the way out
+  monkeypatch.setattr(metrics_lib.MetricsWriter, "_append", real_append)
+  train.main(flags)
+  records = read_metrics(workdir)
+  keys = [(r["step"], r["split"], r.get("event")) for r in records]
+  assert len(keys) == len(set(keys)) and [r["step"] for r in records if r["split"] == "train"] == [2, 4, 6, 8]
+
+
+CTRL_C = """
+import os, signal, sys, threading
+from tfx import train
+from tfx.metrics import MetricsWriter
+presses = int(sys.argv[1])
+write = MetricsWriter.write
+def pressing(self, step, split, values):  # Ctrl-C once the loop logs step 2
+  record = write(self, step, split, values)
+  if split == "train" and step == 2:
+    for _ in range(presses):
+      os.kill(os.getpid(), signal.SIGINT)
+  return record
+MetricsWriter.write = pressing
+train.main(sys.argv[2:])
+"""
+
+
+def test_ctrl_c_saves_and_second_ctrl_c_aborts(tmp_path, shared_tokenizer):
+  """Ctrl-C behaves like SIGTERM (checkpoint at the next step, clean exit, how to resume); Ctrl-C twice
+  aborts at once with one line and no traceback."""
+  flags = ["--config", os.path.join(ROOT, "configs", "tiny.py"), f"--config.data.tokenizer={shared_tokenizer}",
+           "--config.data.max_documents=60", "--config.train.steps=50", "--config.train.log_every=1",
+           "--config.train.eval_every=0", "--config.train.checkpoint_every=0"]
+  once = subprocess.run([sys.executable, "-c", CTRL_C, "1", *flags, "--workdir", str(tmp_path / "once")], cwd=ROOT,
+                        capture_output=True, text=True, timeout=600)
+  assert once.returncode == 0, once.stderr[-3000:]
+  assert "stopping at step" in once.stdout and "run the same command to resume" in once.stdout
+  assert os.listdir(tmp_path / "once" / "checkpoints") and "Traceback" not in once.stderr
+  twice = subprocess.run([sys.executable, "-c", CTRL_C, "2", *flags, "--workdir", str(tmp_path / "twice")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+  assert twice.returncode == 130 and "aborted by a second Ctrl-C" in twice.stderr, twice.stderr[-3000:]
+  assert "Traceback" not in twice.stderr and not os.path.exists(tmp_path / "twice" / "tfx.lock")
