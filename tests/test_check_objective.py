@@ -130,6 +130,7 @@ SHIPPED = [("tiny.py", ()), ("tiny.py", ("--config.objective.name=prefix_lm",)),
                             "--config.objective.layout=decoder"))]
 
 
+@pytest.mark.slow
 def test_every_shipped_objective_passes_on_every_family_and_8_devices():
   """One process with 8 fake devices checks every built-in objective on every family it drives."""
   script = textwrap.dedent(f'''

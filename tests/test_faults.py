@@ -45,6 +45,7 @@ def test_nonfinite_stop_saves_nothing_bad(tmp_path, shared_tokenizer):
   assert record["step"] == 3 and record["loss"] == "nan" and record["policy"] == "stop"
 
 
+@pytest.mark.slow
 def test_nonfinite_skip_drops_exactly_that_update(tmp_path, shared_tokenizer):
   """skip: the poisoned step 3 leaves the parameters exactly as step 2 left them, is counted, and the
   run goes on to the end with finite parameters."""
@@ -60,6 +61,7 @@ def test_nonfinite_skip_drops_exactly_that_update(tmp_path, shared_tokenizer):
                     "--config.train.max_skipped=0"), str(tmp_path / "give_up"))
 
 
+@pytest.mark.slow
 def test_nonfinite_rewind_goes_back_and_continues(tmp_path, shared_tokenizer):
   """rewind: NaN at step 6 -> back to the checkpoint of step 4, steps 5.. redone on the next batches;
   every train step is logged once, records up to step 4 are those of a clean run."""
@@ -87,6 +89,7 @@ def _largest_file(step_dir):
   return max(files, key=os.path.getsize)
 
 
+@pytest.mark.slow
 def test_damaged_checkpoints_fall_back_and_are_listed(tmp_path, shared_tokenizer):
   """A flipped bit in the latest checkpoint is caught by its manifest: one line, the previous step is
   restored, the damaged one is moved aside (not deleted). A truncated file likewise; tfx.checkpoints

@@ -306,6 +306,7 @@ def test_padding_and_information_flow_through_the_model():
   assert hidden_dependencies > 0 and masked_dependencies > 0  # the check is not vacuous
 
 
+@pytest.mark.slow
 def test_bart_tiny_trains_and_resumes_exactly(tmp_path, shared_tokenizer):
   """configs/bart_tiny.py through tfx.train.run (dropout on): 4 steps in one go, and 2 + 2 with a
   stop and a resume, give bitwise the same metrics and parameters."""
