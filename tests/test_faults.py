@@ -159,6 +159,24 @@ def test_config_drift_refused_before_anything_is_written(tmp_path, shared_tokeni
 # ----------------------------------------------------------------------------- one writer per workdir
 
 
+def test_drift_after_an_import_refuses_only_model_changes(tmp_path):
+  """A run whose only checkpoint is step 0 (tfx.convert --from-hf) has trained on nothing: its first
+  training run picks data, batch, seed and objective freely; a model change is still refused. From
+  step 1 on the data and batch are refused too."""
+  from tfx import config as config_lib, drift
+
+  (tmp_path / "config.json").write_text(config_lib.to_json(tiny_config()))
+  new_data = tiny_config("--config.data.source=text:/elsewhere/*.txt", "--config.train.batch_size=4",
+                         "--config.train.seed=3")
+  assert set(drift.check(new_data, tmp_path, checkpoint_steps=(0,))) == {
+      "data.source", "train.batch_size", "train.seed"}
+  with pytest.raises(config_lib.ConfigError, match="model.d_ff"):
+    drift.check(tiny_config("--config.model.d_ff=96"), tmp_path, checkpoint_steps=(0,))
+  with pytest.raises(config_lib.ConfigError, match="train.batch_size"):
+    drift.check(new_data, tmp_path, checkpoint_steps=(0, 4))
+  assert drift.check(new_data, tmp_path, checkpoint_steps=()) == {}
+
+
 def test_lock_refuses_a_second_writer_and_takes_over_a_dead_one(tmp_path):
   from tfx.lock import LockError, WorkdirLock
 

@@ -67,11 +67,15 @@ def differences(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
           if k in a and a.get(k) != b.get(k) and k not in INVOCATION_KEYS}
 
 
-def check(config: ml_collections.ConfigDict, workdir, has_checkpoint: bool) -> dict[str, tuple[Any, Any]]:
+def check(config: ml_collections.ConfigDict, workdir, checkpoint_steps: tuple[int, ...]) -> dict[str, tuple[Any, Any]]:
   """The allowed differences between `config` and the run's config.json; raises ConfigError (or
-  DataError for corpus changes only) listing the refused ones and the override."""
+  DataError for corpus changes only) listing the refused ones and the override.
+
+  When the only checkpoint is step 0 (a model imported by `tfx.convert --from-hf`: no step has been
+  trained), nothing but the model's own keys can be misread: the data, batch, seed and objective
+  of its first training run are the user's to choose."""
   path = epath.Path(workdir) / "config.json"
-  if not has_checkpoint or not path.exists():
+  if not checkpoint_steps or not path.exists():
     return {}
   try:
     old = config_lib.from_json(path.read_text()).to_dict()
@@ -79,8 +83,11 @@ def check(config: ml_collections.ConfigDict, workdir, has_checkpoint: bool) -> d
     raise ConfigError(f"{path} is not valid JSON ({e}); restore it from config.<step>.json beside it") from None
   diffs = differences(old, config.to_dict())
   override = config.train.get("allow_config_change", False)
-  refused = {k: v for k, v in diffs.items() if kind(k) == "meaning" or
-             (kind(k) == "corpus" and not config.data.get("allow_changed_corpus", False))}
+  untrained = max(checkpoint_steps) == 0
+  refused = {k: v for k, v in diffs.items()
+             if (untrained and kind(k) == "meaning" and k.startswith("model.")) or
+             (not untrained and kind(k) == "meaning") or
+             (not untrained and kind(k) == "corpus" and not config.data.get("allow_changed_corpus", False))}
   if refused and not override:
     listed = "; ".join(f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in refused.items())
     if all(kind(k) == "corpus" for k in refused):

@@ -172,7 +172,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   gcs.preflight(workdir, config.data.source, config.data.tokenizer)  # gs:// fails here, in seconds
   load_builtins()
   config_lib.validate(config, num_devices=jax.device_count(), process_count=jax.process_count())
-  diffs = drift.check(config, workdir, has_checkpoint=bool(checkpoint.steps(workdir)))
+  diffs = drift.check(config, workdir, checkpoint_steps=tuple(checkpoint.steps(workdir)))
   created = not epath.Path(workdir).exists()
   epath.Path(workdir).mkdir(parents=True, exist_ok=True)
   with WorkdirLock(workdir, timeout=config.train.lock_timeout) as lock:
