@@ -112,7 +112,7 @@ def test_loss_is_mlm_plus_lambda_rtd_and_no_gradient_through_the_sample():
   loss, m = jax.jit(lambda p: objective.loss(model, p, batch, key, train=False))(state.params)
   np.testing.assert_allclose(float(loss), float(m["mlm_loss"]) + 50.0 * float(m["rtd_loss"]), rtol=1e-6)
   # Independent discriminator loss: numpy sigmoid cross-entropy over real tokens.
-  out, _, disc_logits = objective._forward(model, state.params, batch, key, train=False)
+  out, _, disc_logits = jax.jit(lambda p: objective._forward(model, p, batch, key, train=False))(state.params)
   z, y, w = np.asarray(disc_logits, np.float64), np.asarray(out["replaced"], np.float64), batch["segment_ids"] > 0
   bce = np.maximum(z, 0) - z * y + np.log1p(np.exp(-np.abs(z)))
   np.testing.assert_allclose(float(m["rtd_loss"]), bce[w].mean(), rtol=1e-5)
@@ -120,12 +120,12 @@ def test_loss_is_mlm_plus_lambda_rtd_and_no_gradient_through_the_sample():
 
   # The discriminator's loss sends no gradient into the generator (it only sees the sample) ...
   rtd = lambda p: objective.loss(model, p, batch, key, train=False)[1]["rtd_loss"]
-  g = jax.grad(rtd)(state.params)
+  g = jax.jit(jax.grad(rtd))(state.params)
   assert all(float(jnp.max(jnp.abs(x))) == 0.0 for x in jax.tree.leaves(g[OBJECTIVE_PARAMS]["generator"]))
   assert float(jnp.max(jnp.abs(g[OBJECTIVE_PARAMS]["discriminator_head"]["out"]["kernel"]))) > 0
   # ... and the generator's MLM loss reaches the shared token embeddings and the generator.
   mlm = lambda p: objective.loss(model, p, batch, key, train=False)[1]["mlm_loss"]
-  g = jax.grad(mlm)(state.params)
+  g = jax.jit(jax.grad(mlm))(state.params)
   assert float(jnp.max(jnp.abs(g["token_embed"]["embedding"]))) > 0
   assert float(jnp.max(jnp.abs(g[OBJECTIVE_PARAMS]["generator"]["head_dense"]["kernel"]))) > 0
   assert all(float(jnp.max(jnp.abs(x))) == 0.0 for x in jax.tree.leaves(g[OBJECTIVE_PARAMS]["discriminator_head"]))
@@ -139,6 +139,7 @@ def test_bad_fields_are_refused(bad, message):
     Electra(ids=placeholder_ids(512), **bad)
 
 
+@pytest.mark.slow
 def test_electra_tiny_trains_resumes_exactly_and_exports_the_discriminator(tmp_path, shared_tokenizer):
   """configs/electra_tiny.py through tfx.train.run: 4 steps in one go equal 2 + stop + 2 resumed
   (metrics and every parameter, the generator's included); restore_params (fine-tuning, export)
