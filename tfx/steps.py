@@ -191,6 +191,8 @@ def make_eval_step(exp: Experiment, shardings):
     with parallel.context(exp.mesh):
       return jitted(params, batch, frozen)
 
+  run.jitted = jitted  # (params, batch, frozen inputs)
+
   return run
 
 

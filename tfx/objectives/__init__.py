@@ -4,7 +4,7 @@
 from tfx.objectives.base import (OBJECTIVE_PARAMS, Objective, Predictions, SpecialIds, causal_visible, flat_positions,
                                   model_params, placeholder_ids, split_params, spread_rows)
 from tfx.objectives.options import Option, internal
-from tfx.objectives import (causal_lm, electra, masked_lm, permutation_lm, prefix_lm, sentence_prediction,  # noqa: F401
+from tfx.objectives import (causal_lm, distillation, electra, masked_lm, permutation_lm, prefix_lm, sentence_prediction,  # noqa: F401
                             span_corruption, text_infilling, ul2)
 
 __all__ = ["OBJECTIVE_PARAMS", "Objective", "Option", "Predictions", "SpecialIds", "causal_visible", "flat_positions", "internal",

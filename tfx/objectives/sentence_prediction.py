@@ -34,7 +34,7 @@ import optax
 from tfx import flops, ops
 from tfx.models.encoder import ClassifierHead
 from tfx.objectives.base import Predictions, split_params
-from tfx.objectives.masked_lm import MaskedLM
+from tfx.objectives.masked_lm import MaskedLM, logits_and_hidden
 from tfx.objectives.plm_sampling import xlnet_rows
 from tfx.registry import OBJECTIVES
 
@@ -128,14 +128,9 @@ class SentencePrediction(MaskedLM):
     row_rng, mask_rng, dropout_rng = jax.random.split(rng, 3)
     row = self.rows(batch, row_rng)
     inputs, targets, weights, kept = self.mask(row, mask_rng, return_kept=True)  # [b, t] each
-    # One forward: the MLM logits, and the final hidden states captured on the way (the output of
-    # the stack, or of the final norm when pre-LN).
-    last = "final_norm" if model.cfg.norm == "pre" else "encoder"
-    logits, captured = model.apply(
-        {"params": encoder_params}, inputs, row["segment_ids"], row["positions"], token_types=row["token_types"],
-        train=train, rngs={"dropout": dropout_rng}, capture_intermediates=lambda m, _: m.name == last,
-        mutable=["intermediates"])  # [b, t, v]
-    hidden = captured["intermediates"][last]["__call__"][0]  # [b, t, e]
+    logits, hidden = logits_and_hidden(model, encoder_params, inputs, row["segment_ids"], row["positions"],
+                                       token_types=row["token_types"], train=train,
+                                       rngs={"dropout": dropout_rng})  # [b, t, v], [b, t, e]
     sentence_logits = ClassifierHead(2, pooling="first", init_std=model.cfg.init_std).apply(
         {"params": own["sentence_head"]}, hidden, row["segment_ids"])  # [b, 2]
     return row, logits, targets, weights, kept, sentence_logits
