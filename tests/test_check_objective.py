@@ -127,7 +127,8 @@ def test_the_command_exits_non_zero_with_a_table(leaks):
 SHIPPED = [("tiny.py", ()), ("tiny.py", ("--config.objective.name=prefix_lm",)), ("bert_tiny.py", ()),
            ("t5_tiny.py", ()), ("xlnet_tiny.py", ()), ("bart_tiny.py", ()), ("ul2_tiny.py", ()),
            ("ul2_tiny.py", ("--config.model.family=decoder", "--config.model.position=rotary",
-                            "--config.objective.layout=decoder"))]
+                            "--config.objective.layout=decoder")),
+           ("electra_tiny.py", ()), ("nsp_tiny.py", ()), ("sop_tiny.py", ()), ("distilbert_tiny.py", ())]
 
 
 def test_every_shipped_objective_passes_on_every_family_and_8_devices():
@@ -156,7 +157,8 @@ def test_every_shipped_objective_passes_on_every_family_and_8_devices():
   assert families == {("causal_lm", "decoder"), ("prefix_lm", "decoder"), ("masked_lm", "encoder"),
                       ("span_corruption", "encoder_decoder"), ("permutation_lm", "xlnet"),
                       ("permutation_lm", "encoder"), ("text_infilling", "encoder_decoder"),
-                      ("ul2", "encoder_decoder"), ("ul2", "decoder")}
+                      ("ul2", "encoder_decoder"), ("ul2", "decoder"), ("electra", "encoder"), ("nsp", "encoder"),
+                      ("sop", "encoder"), ("distillation", "encoder")}
   skipped = [r for r in rows if r[3] is None and r[0] != "causal_lm"]
   assert not skipped, skipped  # the mesh check ran (8 devices) and every random objective changes with its key
   assert sum(r[2] == "mesh invariance 1 vs 2x2x2" and r[3] for r in rows) == len(families)
