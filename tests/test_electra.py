@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, train_and_resume
 from tfx.config import load_config
 from tfx.models import build_model
 from tfx.objectives import OBJECTIVE_PARAMS, placeholder_ids, split_params
@@ -146,23 +146,15 @@ def test_electra_tiny_trains_resumes_exactly_and_exports_the_discriminator(tmp_p
   gives the discriminator without the objective's parameters, and tfx.convert --to-hf writes it."""
   from tfx import train
   from tfx.convert.run import _load_params
-  from tfx.metrics import read_metrics
   from tfx.runs import load_trained
 
   overrides = [f"--config.data.tokenizer={shared_tokenizer}", "--config.data.max_documents=40",
                "--config.train.steps=4", "--config.train.log_every=1", "--config.train.eval_every=2",
                "--config.train.checkpoint_every=2", "--config.model.dropout=0.1", "--config.data.eval_batches=1"]
   config = lambda *extra: load_config(os.path.join(ROOT, "configs", "electra_tiny.py"), [*overrides, *extra])
-  full = train.run(config(), str(tmp_path / "full"))
-  part = tmp_path / "part"
-  assert train.run(config("--config.train.stop_after=2"), str(part))["step"] == 2
-  resumed = train.run(config(), str(part))
-  assert resumed["step"] == 4
-  strip = lambda rows: [{k: v for k, v in row.items() if k not in ("tokens_per_sec", "mfu")} for row in rows]
-  records = strip(read_metrics(str(tmp_path / "full")))
-  assert strip(read_metrics(str(part))) == records
+  full, _, records = train_and_resume(config, tmp_path)
   final = jax.device_get(full["state"].params)
-  jax.tree.map(np.testing.assert_array_equal, final, jax.device_get(resumed["state"].params))
+  part = tmp_path / "part"
   train_rows = [r for r in records if r["split"] == "train"]
   assert all(np.isfinite(r["loss"]) and "rtd_loss" in r for r in train_rows)
   assert abs(train_rows[0]["loss"] - (math.log(1000) + 50 * math.log(2))) < 2.0
@@ -172,3 +164,18 @@ def test_electra_tiny_trains_resumes_exactly_and_exports_the_discriminator(tmp_p
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), split_params(final)[0])
   _, exported, _ = _load_params(str(part), None)
   assert OBJECTIVE_PARAMS not in exported
+
+  # Fine-tuning from the ELECTRA run starts from the discriminator.
+  from tfx import finetune
+  from tfx.metrics import Progress
+
+  smoke = ["finetune.stdlib_classes=4", "finetune.max_train_examples=40", "finetune.max_eval_examples=40",
+           "finetune.steps=1", "finetune.batch_size=8", "finetune.max_length=32", "finetune.init=pretrained"]
+  setup = finetune.build(None, str(part), "stdlib:package", str(tmp_path / "ft"), smoke)
+  exp = setup.exp
+  _, shardings = train.state_shardings(exp.model, exp.tx, exp.mesh, setup.length)
+  state, _, book = finetune._initial_state(setup, shardings, finetune._copier(exp, shardings), Progress(1))
+  assert book["pretrained_step"] == 4
+  backbone = jax.device_get(state.params["backbone"])
+  for name in ("token_embed", "encoder", "embed_norm"):
+    jax.tree.map(np.testing.assert_array_equal, backbone[name], split_params(final)[0][name])

@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, train_and_resume
 from tfx.config import load_config
 from tfx.models import build_model
 from tfx.objectives import OBJECTIVE_PARAMS, placeholder_ids
-from tfx.objectives.sentence_prediction import NextSentencePrediction, SentenceOrderPrediction, bert_pair_rows
+from tfx.objectives.sentence_prediction import SentenceOrderPrediction, bert_pair_rows
 from tfx.registry import OBJECTIVES
 
 IDS = placeholder_ids(4096)
@@ -138,21 +138,10 @@ def test_registered_with_fields():
 def test_nsp_tiny_trains_and_resumes_exactly(tmp_path, shared_tokenizer):
   """configs/nsp_tiny.py through tfx.train.run: 4 steps in one go equal 2 + stop + 2 resumed
   (metrics, and every parameter with the sentence head's)."""
-  from tfx import train
-  from tfx.metrics import read_metrics
-
   overrides = [f"--config.data.tokenizer={shared_tokenizer}", "--config.data.max_documents=40",
                "--config.train.steps=4", "--config.train.log_every=1", "--config.train.eval_every=2",
                "--config.train.checkpoint_every=2", "--config.model.dropout=0.1", "--config.data.eval_batches=1"]
   config = lambda *extra: load_config(os.path.join(ROOT, "configs", "nsp_tiny.py"), [*overrides, *extra])
-  full = train.run(config(), str(tmp_path / "full"))
-  part = tmp_path / "part"
-  assert train.run(config("--config.train.stop_after=2"), str(part))["step"] == 2
-  resumed = train.run(config(), str(part))
-  strip = lambda rows: [{k: v for k, v in row.items() if k not in ("tokens_per_sec", "mfu")} for row in rows]
-  records = strip(read_metrics(str(tmp_path / "full")))
-  assert strip(read_metrics(str(part))) == records
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(full["state"].params),
-               jax.device_get(resumed["state"].params))
+  full, _, records = train_and_resume(config, tmp_path)
   first = [r for r in records if r["split"] == "train"][0]
   assert abs(first["loss"] - (math.log(1000) + math.log(2))) < 1.0 and "sentence_accuracy" in first
