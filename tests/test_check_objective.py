@@ -128,18 +128,20 @@ SHIPPED = [("tiny.py", ()), ("tiny.py", ("--config.objective.name=prefix_lm",)),
            ("t5_tiny.py", ()), ("xlnet_tiny.py", ()), ("bart_tiny.py", ()), ("ul2_tiny.py", ()),
            ("ul2_tiny.py", ("--config.model.family=decoder", "--config.model.position=rotary",
                             "--config.objective.layout=decoder"))]
+# Objectives with their own parameters or a frozen teacher, checked in a process of their own.
+SHIPPED_WITH_PARAMS = [("electra_tiny.py", ()), ("nsp_tiny.py", ()), ("sop_tiny.py", ()), ("distilbert_tiny.py", ())]
 
 
-@pytest.mark.slow
-def test_every_shipped_objective_passes_on_every_family_and_8_devices():
-  """One process with 8 fake devices checks every built-in objective on every family it drives."""
+def _check_shipped(shipped) -> list:
+  """tfx.check_objective's rows for each (config, overrides), in one process with 8 fake devices;
+  asserts none failed, the mesh check ran for each objective and family, and nothing was skipped."""
   script = textwrap.dedent(f'''
       import json, os, sys
       sys.path.insert(0, {ROOT!r})
       from tfx import check_objective
       from tfx.config import load_config
       out = []
-      for name, overrides in {SHIPPED!r}:
+      for name, overrides in {shipped!r}:
         config = load_config(os.path.join({ROOT!r}, "configs", name), list(overrides))
         for r in check_objective.check(config):
           out.append([config.objective.name, r.family, r.check, r.ok, r.detail])
@@ -153,14 +155,27 @@ def test_every_shipped_objective_passes_on_every_family_and_8_devices():
   failed = [r for r in rows if r[3] is False]
   assert not failed, failed
   rows = [r for r in rows if r[2] != "config for this family"]  # ul2's layout field picks one family per config
-  families = {(r[0], r[1]) for r in rows}
-  assert families == {("causal_lm", "decoder"), ("prefix_lm", "decoder"), ("masked_lm", "encoder"),
-                      ("span_corruption", "encoder_decoder"), ("permutation_lm", "xlnet"),
-                      ("permutation_lm", "encoder"), ("text_infilling", "encoder_decoder"),
-                      ("ul2", "encoder_decoder"), ("ul2", "decoder")}
   skipped = [r for r in rows if r[3] is None and r[0] != "causal_lm"]
   assert not skipped, skipped  # the mesh check ran (8 devices) and every random objective changes with its key
+  families = {(r[0], r[1]) for r in rows}
   assert sum(r[2] == "mesh invariance 1 vs 2x2x2" and r[3] for r in rows) == len(families)
+  return families
+
+
+@pytest.mark.slow
+def test_every_shipped_objective_passes_on_every_family_and_8_devices():
+  """One process with 8 fake devices checks every built-in objective on every family it drives."""
+  assert _check_shipped(SHIPPED) == {
+      ("causal_lm", "decoder"), ("prefix_lm", "decoder"), ("masked_lm", "encoder"),
+      ("span_corruption", "encoder_decoder"), ("permutation_lm", "xlnet"), ("permutation_lm", "encoder"),
+      ("text_infilling", "encoder_decoder"), ("ul2", "encoder_decoder"), ("ul2", "decoder")}
+
+
+@pytest.mark.slow
+def test_objectives_with_own_parameters_or_a_teacher_pass_on_8_devices():
+  """electra (generator + head), nsp / sop (sentence head) and distillation (a frozen teacher)."""
+  assert _check_shipped(SHIPPED_WITH_PARAMS) == {("electra", "encoder"), ("nsp", "encoder"), ("sop", "encoder"),
+                                                 ("distillation", "encoder")}
 
 
 def test_a_family_the_objective_does_not_drive_is_refused():

@@ -127,6 +127,7 @@ class Setup:
   word_start: np.ndarray
   state: Any
   mesh: Any
+  frozen: Any = None  # the objective's frozen inputs (a teacher), with frozen_inputs
 
 
 def build(config: ml_collections.ConfigDict, family: str, seed: int = 0, devices=None,
@@ -151,11 +152,20 @@ def build(config: ml_collections.ConfigDict, family: str, seed: int = 0, devices
   _, shardings = train.state_shardings(model, tx, mesh, seq_len, objective, BATCH)
   state = train.init_state(model, tx, mesh, seq_len, seed, shardings, objective, BATCH)
   batch = synthetic_batch(ids, objective.raw_length(seq_len), rng)
-  return Setup(c, objective, model, state.params, batch, ids, word_start, state.objective_state, mesh)
+  frozen = objective.load_frozen(model, mesh) if objective.frozen_inputs else None
+  return Setup(c, objective, model, state.params, batch, ids, word_start, state.objective_state, mesh, frozen)
+
+
+def _extra(s: Setup) -> dict[str, Any]:
+  """The keyword arguments of the objective's loss beyond (model, params, batch, rng, train)."""
+  extra = {"state": s.state} if s.objective.stateful else {}
+  if s.objective.frozen_inputs:
+    extra["frozen"] = s.frozen
+  return extra
 
 
 def _loss_fn(s: Setup) -> Callable:
-  extra = {"state": s.state} if s.objective.stateful else {}
+  extra = _extra(s)
 
   def loss(params, batch, key):
     value, metrics = s.objective.loss(s.model, params, batch, key, train=True, **extra)
@@ -352,7 +362,8 @@ def _check_family(config, cls, family: str, seed: int) -> list[Result]:
   if type(s.objective).predictions is Objective.predictions:
     return [Result(family, "predictions() implemented", False, "the objective does not implement predictions(), "
                    "so what it predicts from what cannot be checked"), *check_compiles(s)]
-  predict = jax.jit(lambda p, b, k: s.objective.predictions(s.model, p, b, k))
+  frozen = {"frozen": s.frozen} if s.objective.frozen_inputs else {}
+  predict = jax.jit(lambda p, b, k: s.objective.predictions(s.model, p, b, k, **frozen))
   return [*check_compiles(s), *check_keys_and_initial_loss(s, predict), *check_information_flow(s, predict),
           *check_padding(s, predict), check_mesh(config, family, seed)]
 

@@ -11,7 +11,7 @@ from etils import epath
 from tfx import checkpoint, config as config_lib, gcs, parallel
 from tfx.errors import UserError
 from tfx.models import build_model
-from tfx.objectives import SpecialIds
+from tfx.objectives import SpecialIds, model_params
 from tfx.registry import OBJECTIVES, load_builtins
 from tfx.steps import make_optimizer, state_shardings
 
@@ -42,7 +42,8 @@ def load_run(workdir: str):
 def restore_params(workdir: str, config, tokenizer, model: nn.Module, mesh, step: int | None = None):
   """(params, step) of the run's latest (or given) checkpoint, placed on `mesh` by the logical
   axis rules. `config` and `tokenizer` are the run's (`load_run`); the whole train state is
-  restored (its layout depends on them), and all but the parameters dropped."""
+  restored (its layout depends on them), and all but the model's parameters dropped (an
+  objective's own parameters, such as ELECTRA's generator, stay in the checkpoint)."""
   tx, _ = make_optimizer(config)
   objective = OBJECTIVES.get(config.objective.name).from_config(config.objective, SpecialIds.from_tokenizer(tokenizer))
   abstract, shardings = state_shardings(model, tx, mesh, config.data.seq_len, objective, config.train.batch_size)
@@ -53,7 +54,7 @@ def restore_params(workdir: str, config, tokenizer, model: nn.Module, mesh, step
   if restored is None:
     raise UserError(f"{workdir}/checkpoints has no checkpoint yet")
   state, _, step = restored
-  return state.params, step
+  return model_params(state.params), step
 
 
 def load_trained(workdir: str, step: int | None = None):

@@ -18,7 +18,7 @@ import optax
 
 from tfx import parallel
 from tfx.data import DataPipeline
-from tfx.objectives import Objective
+from tfx.objectives import OBJECTIVE_PARAMS, Objective
 
 @flax.struct.dataclass
 class TrainState:
@@ -44,6 +44,7 @@ class Experiment:
   tx: optax.GradientTransformation
   schedule: optax.Schedule
   corpus: dict = dataclasses.field(default_factory=dict)  # the store's identity, in every checkpoint
+  frozen: Any = None  # the objective's frozen inputs (a teacher), loaded once by `objective_frozen`
 
 
 def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -70,6 +71,9 @@ def _init_fn(model: nn.Module, tx: optax.GradientTransformation, seq_len: int, o
   def init(rng):
     params_rng, state_rng = jax.random.split(rng)
     params = model.init({"params": params_rng, "dropout": params_rng}, **inputs)["params"]
+    own = objective.init_params(jax.random.fold_in(params_rng, 1), model, seq_len) if objective is not None else None
+    if own is not None:  # the objective's parameters, beside the model's (tfx/objectives/base.py)
+      params = {**params, OBJECTIVE_PARAMS: own}
     objective_state = objective.init_state(batch_size, model.cfg) if objective is not None else None
     if objective_state is not None:
       objective_state = jax.tree.map(nn.LogicallyPartitioned, objective_state, objective.state_axes())
@@ -98,15 +102,24 @@ def init_state(model: nn.Module, tx, mesh, seq_len: int, seed: int, shardings, o
 # ============================================================================ steps
 
 
-def _loss_and_grads(exp: Experiment, params, batch, rng, objective_state=None):
+def objective_frozen(exp: Experiment):
+  """(frozen inputs, their shardings) of the objective (a teacher; None, None without), loaded once."""
+  if not getattr(exp.objective, "frozen_inputs", False):
+    return None, None
+  if exp.frozen is None:
+    exp.frozen = exp.objective.load_frozen(exp.model, exp.mesh)
+  return exp.frozen, jax.tree.map(lambda x: x.sharding, exp.frozen)
+
+
+def _loss_and_grads(exp: Experiment, params, batch, rng, objective_state=None, frozen=None):
   """Mean loss and its gradient, accumulated exactly over `train.grad_accum` micro-batches.
 
   Returns (metrics, grads, next objective state).
   """
-  if exp.objective.stateful:
-    loss_fn = lambda p, b, r: exp.objective.loss(exp.model, p, b, r, train=True, state=objective_state)
-  else:
-    loss_fn = lambda p, b, r: exp.objective.loss(exp.model, p, b, r, train=True)
+  extra = {"state": objective_state} if exp.objective.stateful else {}
+  if getattr(exp.objective, "frozen_inputs", False):
+    extra["frozen"] = frozen
+  loss_fn = lambda p, b, r: exp.objective.loss(exp.model, p, b, r, train=True, **extra)
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   accum = exp.config.train.grad_accum
   if accum == 1:
@@ -139,20 +152,22 @@ def _loss_and_grads(exp: Experiment, params, batch, rng, objective_state=None):
 def make_train_step(exp: Experiment, shardings):
   """Jitted (state, batch[, poison]) -> (state, metrics), state donated, shardings pinned.
 
+  The objective's frozen inputs (a teacher) are the jitted function's third argument.
   metrics["nonfinite"] is 1.0 when the step's loss or gradient norm is not finite (computed on
   device, read with the other metrics). With train.on_nonfinite == "skip" such a step leaves
   params, optimizer and objective state as they were (the step counter still advances). With
-  train.poison_step > 0 (a test hook) the step takes a third argument, a float32 scalar that
+  train.poison_step > 0 (a test hook) the step takes a fourth argument, a float32 scalar that
   multiplies the parameters the loss sees: 1.0 normally, NaN to inject a non-finite step.
   """
   train_cfg = exp.config.get("train", {})
   skip = train_cfg.get("on_nonfinite", "stop") == "skip"
   poisonable = train_cfg.get("poison_step", 0) > 0
+  frozen, frozen_shardings = objective_frozen(exp)
 
-  def step_fn(state: TrainState, batch, poison=None):
+  def step_fn(state: TrainState, batch, frozen, poison=None):
     rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
     params_in = state.params if poison is None else jax.tree.map(lambda p: p * poison.astype(p.dtype), state.params)
-    metrics, grads, objective_state = _loss_and_grads(exp, params_in, batch, rng, state.objective_state)
+    metrics, grads, objective_state = _loss_and_grads(exp, params_in, batch, rng, state.objective_state, frozen)
     updates, opt_state = exp.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.global_norm(grads)
@@ -167,7 +182,7 @@ def make_train_step(exp: Experiment, shardings):
                    nonfinite=1.0 - finite.astype(jnp.float32))
     return new, metrics
 
-  in_shardings = (shardings, parallel.batch_sharding(exp.mesh))
+  in_shardings = (shardings, parallel.batch_sharding(exp.mesh), frozen_shardings)
   if poisonable:
     in_shardings += (parallel.replicated(exp.mesh),)
   jitted = jax.jit(step_fn, in_shardings=in_shardings,
@@ -176,25 +191,31 @@ def make_train_step(exp: Experiment, shardings):
   def run(state, batch, poison=None):
     with parallel.context(exp.mesh):
       if poisonable:
-        return jitted(state, batch, jnp.float32(1.0 if poison is None else poison))
-      return jitted(state, batch)
+        return jitted(state, batch, frozen, jnp.float32(1.0 if poison is None else poison))
+      return jitted(state, batch, frozen)
 
   run.jitted = jitted  # for tfx.bench: lower().compile() timing
   return run
 
 
 def make_eval_step(exp: Experiment, shardings):
-  def eval_fn(params, batch):
+  frozen, frozen_shardings = objective_frozen(exp)
+
+  def eval_fn(params, batch, frozen):
     extra = {"state": None} if exp.objective.stateful else {}  # eval starts from an empty state
+    if getattr(exp.objective, "frozen_inputs", False):
+      extra["frozen"] = frozen
     _, metrics = exp.objective.loss(exp.model, params, batch, jax.random.key(0), train=False, **extra)
     return {k: v for k, v in metrics.items() if k != "state"}
 
-  jitted = jax.jit(eval_fn, in_shardings=(shardings.params, parallel.batch_sharding(exp.mesh)),
+  jitted = jax.jit(eval_fn, in_shardings=(shardings.params, parallel.batch_sharding(exp.mesh), frozen_shardings),
                    out_shardings=parallel.replicated(exp.mesh))
 
   def run(params, batch):
     with parallel.context(exp.mesh):
-      return jitted(params, batch)
+      return jitted(params, batch, frozen)
+
+  run.jitted = jitted  # (params, batch, frozen inputs)
 
   return run
 

@@ -164,14 +164,19 @@ def _load_params(workdir: str, step: int | None):
   with config.unlocked():
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
   mesh = parallel.make_mesh(config.mesh)
-  abstract, shardings = train.state_shardings(model, tx, mesh, config.data.seq_len)
+  from tfx.objectives import model_params, placeholder_ids  # noqa: PLC0415
+  from tfx.registry import OBJECTIVES  # noqa: PLC0415
+
+  # The objective shapes the state (its own parameters, its state); ids do not change shapes.
+  objective = OBJECTIVES.get(config.objective.name).from_config(config.objective, placeholder_ids(config.data.vocab_size))
+  abstract, shardings = train.state_shardings(model, tx, mesh, config.data.seq_len, objective, config.train.batch_size)
   mngr = checkpoint.manager(workdir, keep=config.train.keep_checkpoints, async_save=False)
   step = mngr.latest_step() if step is None else step
   if step is None:
     raise ConvertError(f"{workdir}/checkpoints has no checkpoint")
   state, _ = checkpoint.restore(mngr, step, checkpoint.abstract_like(abstract, shardings))
   mngr.close()
-  return config, state.params, None
+  return config, model_params(state.params), None
 
 
 def main(argv: list[str] | None = None) -> None:

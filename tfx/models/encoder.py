@@ -46,7 +46,9 @@ class Encoder(Family):
   `__call__(tokens, segment_ids, positions, *, token_types, train, mask, return_hidden)`:
   tokens, segment_ids (0 = padding), positions, token_types: [b, t] int. Returns logits
   [b, t, v], or the final hidden states [b, t, e] with `return_hidden=True` (for heads such
-  as `ClassifierHead`). `mask` [b, 1|h, t, t] replaces the default same-document mask.
+  as `ClassifierHead`), or the embedding layer's output [b, t, e] (token + position + type
+  embeddings, norm, dropout) with `return_embeddings=True` (ELECTRA's generator shares it).
+  `mask` [b, 1|h, t, t] replaces the default same-document mask.
 
   `two_stream(...)`: XLNet's two-stream attention on this encoder, for permutation LM (see
   its docstring). Its only parameter beyond `__call__`'s is `mask_emb` [e], which `__call__`
@@ -63,11 +65,11 @@ class Encoder(Family):
     return self(tokens, segment_ids, positions, token_types=token_types, train=train, return_hidden=True)
 
   def __call__(self, tokens, segment_ids, positions, *, token_types=None, train: bool = False, mask=None,
-               return_hidden: bool = False):
+               return_hidden: bool = False, return_embeddings: bool = False):
     if mask is None:
       mask = ops.segment_mask(segment_ids)  # [b, 1, t, t]
     return self._encode(tokens, positions, mask, segment_ids, token_types=token_types, train=train,
-                        return_hidden=return_hidden)
+                        return_hidden=return_hidden, return_embeddings=return_embeddings)
 
   def two_stream(self, tokens, positions, content_mask, query_mask, target_mapping, *, token_types=None,
                  train: bool = False):
@@ -102,7 +104,7 @@ class Encoder(Family):
 
   @nn.compact
   def _encode(self, tokens, positions, mask, segment_ids, *, token_types, train: bool, return_hidden: bool = False,
-              query: QueryStream | None = None, slot_types=None):
+              return_embeddings: bool = False, query: QueryStream | None = None, slot_types=None):
     """One stream (query None): [b, t] -> logits [b, t, v] or hidden [b, t, e]. Two streams:
     the query stream's logits [b, n, v]. mask: [b, 1|h, t, t] bool for the content stream."""
     cfg = self.cfg
@@ -111,6 +113,8 @@ class Encoder(Family):
                           (cfg.d_model,), jnp.float32)  # [e], the query stream's input (two_stream only)
     slots = None if query is None else Slots(mask_emb, query.positions, slot_types)
     x = self.embed_inputs(embed, tokens, positions, train=train, token_types=token_types, slots=slots)
+    if return_embeddings:
+      return x  # [b, t, e]
     stack = Stack(cfg, cfg.num_layers, deterministic=not train, name="encoder")
     if query is None:
       bias = self.relative_bias(positions, positions, bidirectional=True, name="relative_bias")

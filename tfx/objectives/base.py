@@ -19,6 +19,24 @@ loop keeps it in the train state, shards it like activations and checkpoints it.
 tokens later; `reversed_streams` for XLNet's bi_data). `raw_length` is the raw row an objective
 turns into a model row of `seq_len` tokens (its raw-row hook: span corruption needs more raw
 tokens, XLNet's SEP/SEP/CLS layout fewer).
+
+Objectives that own parameters (an ELECTRA generator and discriminator head, an NSP / SOP head)
+return them from `init_params(rng, model, seq_len)`: a tree built like a model's `init` (boxed
+with `nn.with_logical_partitioning`, so they are sharded by the same logical axis rules). The
+loop stores them in the train state's params under the key `OBJECTIVE_PARAMS` ("objective"),
+beside the model's own top-level names, so they are created sharded, optimised (same optimizer,
+weight decay on matrices), checkpointed and restored with the model and count in its parameter
+total; a run without them has no such key (older checkpoints restore unchanged). `loss` and
+`predictions` receive that whole tree as `params` and take their part with `split_params`; the
+model is applied to the model's part. Exports and fine-tuning (`tfx.runs.restore_params`,
+`tfx.convert --to-hf`, `tfx.finetune`) read the model's part only: the main model is what the
+objective trains for downstream use (ELECTRA's discriminator), the objective's parameters stay in
+the run's checkpoints.
+
+Objectives that read frozen arrays (a distillation teacher) set `frozen_inputs = True` and load
+them in `load_frozen(model, mesh)`, placed on the mesh. The loop loads them once, passes them to
+the jitted train and eval steps as an argument (never a compile-time constant) and to `loss` as
+`frozen=`; they are neither optimised nor checkpointed.
 """
 
 import dataclasses
@@ -30,6 +48,22 @@ import jax.numpy as jnp
 
 from tfx import flops
 from tfx.objectives import options as options_lib
+
+
+# Key of an objective's own parameters in the train state's params (see `Objective.init_params`).
+OBJECTIVE_PARAMS = "objective"
+
+
+def split_params(params) -> tuple[Any, Any]:
+  """(the model's params, the objective's params or None) of the train state's params."""
+  if isinstance(params, dict) and OBJECTIVE_PARAMS in params:
+    return {k: v for k, v in params.items() if k != OBJECTIVE_PARAMS}, params[OBJECTIVE_PARAMS]
+  return params, None
+
+
+def model_params(params) -> Any:
+  """The model's part of the train state's params (what export and fine-tuning read)."""
+  return split_params(params)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +137,8 @@ class Objective:
   contiguous_rows: ClassVar[bool] = False
   # Draws masks, spans or orders from the step's key (False: deterministic, like causal LM).
   uses_rng: ClassVar[bool] = True
+  # Reads frozen arrays (a teacher) given to `loss` as `frozen=` (see the module docstring).
+  frozen_inputs: ClassVar[bool] = False
 
   @classmethod
   def from_config(cls, objective_cfg, ids: SpecialIds, *, strict: bool = True) -> "Objective":
@@ -148,6 +184,15 @@ class Objective:
 
   def state_axes(self) -> Any:
     """Logical axis names of each state array (a tree of tuples matching `init_state`)."""
+    return None
+
+  def init_params(self, rng: jax.Array, model, seq_len: int) -> Any:
+    """Parameters this objective owns beside the model's (None = none), as boxed trees like a
+    model's `init` output (logical axis names); stored under `params[OBJECTIVE_PARAMS]`."""
+    return None
+
+  def load_frozen(self, model, mesh) -> Any:
+    """With `frozen_inputs`: the frozen arrays `loss` reads (`frozen=`), placed on `mesh`."""
     return None
 
   def row_stride(self, seq_len: int) -> int:

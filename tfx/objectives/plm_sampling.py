@@ -306,8 +306,8 @@ def xlnet_rows(
   a_len ~ U{1..n-1} tokens, n = t - reuse_len - 3, and B the other n - a_len, so the row is
   always full. B continues A (the raw tokens after it) or, with probability `random_b_rate`,
   is a stretch of the next row of the same direction group (rows are split into `groups`
-  equal groups; with bi_data the forward and the reversed rows) at a random offset. The A/B
-  label is not returned: XLNet does not use it. Without sentence boundaries in the corpus, the
+  equal groups; with bi_data the forward and the reversed rows) at a random offset. XLNet does
+  not use the A/B label; BERT's next-sentence prediction does (`random_b`). Without sentence boundaries in the corpus, the
   cut is uniform over token positions (XLNet cuts at a random line end).
 
   Args:
@@ -321,7 +321,8 @@ def xlnet_rows(
     SEP; 2: CLS); `segment_ids` [b, t] int32, 1 on real positions and 0 on padding (the row is
     one text: attention crosses the stream's documents, as XLNet's does and as its memory
     does); `is_func` [b, t] bool (the two SEPs and the CLS); `source` [b, t] int32, the flat raw
-    index (row * (t - 3) + column) each position's token comes from, -1 for SEP/CLS and padding.
+    index (row * (t - 3) + column) each position's token comes from, -1 for SEP/CLS and padding;
+    `random_b` [b] bool, B is another row's text; `a_len` [b] int32, the tokens of A.
   """
   b, raw = tokens.shape
   t = raw + 3
@@ -354,7 +355,8 @@ def xlnet_rows(
   token_types = jnp.where(p <= first_sep, 0, jnp.where(is_cls, 2, 1))
   source = jnp.where(is_func | ~real, -1, source_row * raw + source_col)  # [b, t] flat raw index
   return {"tokens": out.astype(jnp.int32), "token_types": token_types.astype(jnp.int32),
-          "segment_ids": real.astype(jnp.int32), "is_func": is_func, "source": source.astype(jnp.int32)}
+          "segment_ids": real.astype(jnp.int32), "is_func": is_func, "source": source.astype(jnp.int32),
+          "random_b": random_b[:, 0], "a_len": a_len[:, 0].astype(jnp.int32)}
 
 
 def bi_signs(batch_size: int) -> jax.Array:
