@@ -142,11 +142,12 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
 
   with compile_timer() as compiled, parallel.context(exp.mesh):
     start = time.perf_counter()
-    executable = train_step.jitted.lower(state, batch).compile()
+    frozen = train_step.frozen  # the objective's frozen inputs (a teacher), None for most
+    executable = train_step.jitted.lower(state, batch, frozen).compile()
     compile_wall_s = time.perf_counter() - start
-    state, metrics = jax.block_until_ready(executable(state, batch))
+    state, metrics = jax.block_until_ready(executable(state, batch, frozen))
     first_call_s = time.perf_counter() - start
-  train_step = executable
+  train_step = lambda s, b: executable(s, b, frozen)
   memory = executable.memory_analysis()
   for _ in range(warmup):
     state, metrics = jax.block_until_ready(train_step(state, batch))

@@ -194,7 +194,8 @@ def make_train_step(exp: Experiment, shardings):
         return jitted(state, batch, frozen, jnp.float32(1.0 if poison is None else poison))
       return jitted(state, batch, frozen)
 
-  run.jitted = jitted  # for tfx.bench: lower().compile() timing
+  run.jitted = jitted  # for tfx.bench: lower().compile() timing, called as jitted(state, batch, run.frozen)
+  run.frozen = frozen
   return run
 
 

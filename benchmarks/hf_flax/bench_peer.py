@@ -165,8 +165,8 @@ def run_one(model: str, size: str, reps: int, log) -> dict:
   tfx_compile, hf_compile = [], []
   for _ in range(3):
     with parallel.context(exp.mesh):
-      tfx_step = make_train_step(exp, shardings).jitted
-      tfx_c, s, tfx_flops, tfx_temp = compile_stats(tfx_step, state, batch)
+      tfx_step = make_train_step(exp, shardings).jitted  # (state, batch, frozen inputs: None here)
+      tfx_c, s, tfx_flops, tfx_temp = compile_stats(tfx_step, state, batch, None)
     tfx_compile.append(s)
     hf_step = make_hf_step(model, hf_model, exp.objective, exp.tx)
     hf_c, s, hf_flops, hf_temp = compile_stats(hf_step, hf_state, batch)
@@ -175,11 +175,11 @@ def run_one(model: str, size: str, reps: int, log) -> dict:
   abstract, unrolled_shardings = state_shardings(unrolled.model, unrolled.tx, unrolled.mesh, seq_len,
                                                  unrolled.objective, batch_size)
   with parallel.context(unrolled.mesh):
-    _, _, tfx_flops, _ = compile_stats(make_train_step(unrolled, unrolled_shardings).jitted, abstract, batch)
+    _, _, tfx_flops, _ = compile_stats(make_train_step(unrolled, unrolled_shardings).jitted, abstract, batch, None)
 
   # Same function: the first step's losses (before any update).
   with parallel.context(exp.mesh):
-    state, metrics = tfx_c(state, batch)
+    state, metrics = tfx_c(state, batch, None)
   hf_state, hf_loss = hf_c(hf_state, batch)
   tfx_loss, hf_loss = float(metrics["loss"]), float(hf_loss)
   if not np.isclose(tfx_loss, hf_loss, rtol=1e-4, atol=1e-5):
@@ -190,7 +190,7 @@ def run_one(model: str, size: str, reps: int, log) -> dict:
   for _ in range(reps):
     with parallel.context(exp.mesh):
       start = time.perf_counter()
-      state, metrics = jax.block_until_ready(tfx_c(state, batch))
+      state, metrics = jax.block_until_ready(tfx_c(state, batch, None))
       tfx_times.append(time.perf_counter() - start)
     start = time.perf_counter()
     hf_state, hf_loss = jax.block_until_ready(hf_c(hf_state, batch))
