@@ -154,6 +154,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.log_every = 10
   # Evaluate on the held-out split every N steps (and at the end); 0 = only at the end.
   c.train.eval_every = 200
+  # Objectives with memory (permutation_lm on xlnet with model.mem_len > 0): evaluate on held-out
+  # text laid out as in training (contiguous streams, reversed ones too with bi_data), carrying the
+  # memory from one eval batch to the next. False: each eval batch from an empty memory, forward text.
+  c.train.eval_memory = False
   # Save a checkpoint every N steps (and at the end); 0 = only at the end.
   c.train.checkpoint_every = 500
   # How many checkpoints to keep.

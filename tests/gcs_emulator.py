@@ -4,7 +4,7 @@ Use: `with start_emulator("tfx-test") as env:` (gs://tfx-test exists), then give
 `env={**os.environ, **env}`, e.g. subprocess.run([sys.executable, "-m", "tfx.train", ...], env=...).
 Patched emulator gaps: downloads lack x-goog-generation (tensorstore OCDBT: "Malformed
 StorageGeneration"), listing ignores startOffset/endOffset (tensorstore List: wrong keys), uploads
-ignore ifGenerationMatch, objects.moveTo answers 501 (gcsfs retries ~33 s, then copies)."""
+and deletes ignore ifGenerationMatch, objects.moveTo answers 501 (gcsfs retries ~33 s, then copies)."""
 
 import contextlib
 import json
@@ -93,6 +93,14 @@ def _serve(bucket: str, parent_pid: int) -> None:
     else:
       objects.insert(req, res, storage)
 
+  def delete_(req, res, storage, *a):  # ifGenerationMatch on delete (tfx.lock's release)
+    want = req.query.get("ifGenerationMatch", [None])[0]
+    obj = storage.objects.get(req.params["bucket_name"], {}).get(req.params["object_id"])
+    if want is not None and obj is not None and str(obj.get("generation")) != want:
+      res.status = server.HTTPStatus.PRECONDITION_FAILED
+    else:
+      objects.delete(req, res, storage)
+
   def move_(req, res, storage, *a):  # objects.moveTo: copy + delete, atomic here (one thread)
     b, src = req.params["bucket_name"], req.params["object_id"]
     if src in storage.objects.get(b, {}):
@@ -104,7 +112,7 @@ def _serve(bucket: str, parent_pid: int) -> None:
   objects.download = download_  # objects.get calls it by its global name
   move = r"^/storage/v1/b/(?P<bucket_name>[-.\w]+)/o/(?P<object_id>.*[^/]+)/moveTo/o/(?P<dest_object_id>.*[^/]+)$"
   server.HANDLERS = ((move, {"POST": move_}),) + tuple(
-      (rx, {m: {objects.ls: ls_, objects.insert: insert_}.get(f, f) for m, f in h.items()}) for rx, h in server.HANDLERS)
+      (rx, {m: {objects.ls: ls_, objects.insert: insert_, objects.delete: delete_}.get(f, f) for m, f in h.items()}) for rx, h in server.HANDLERS)
   emu = server.create_server("127.0.0.1", 0, in_memory=True, default_bucket=bucket)
   emu.start()
   print(emu._api._httpd.server_address[1], flush=True)

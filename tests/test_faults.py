@@ -204,19 +204,69 @@ def test_lock_refuses_a_second_writer_and_takes_over_a_dead_one(tmp_path):
   WorkdirLock(str(workdir), timeout=2).acquire().release()
 
 
+def lock_races(workdir: str, contenders: int = 6) -> str:
+  """The lease's compare-and-swap, on a local directory or a gs:// one: `contenders` threads race
+  for a free lease, then for a stale one; exactly one wins each time and the others are refused
+  naming a holder. A run whose heartbeat stalled past the timeout and was taken over learns it at
+  its next beat and refuses to go on. Returns "OK" (run in a subprocess for gs://)."""
+  import threading
+  import time
+
+  from tfx.lock import LockError, WorkdirLock
+
+  def race(timeout):
+    won, refused, barrier = [], [], threading.Barrier(contenders)
+
+    def contend():
+      lock = WorkdirLock(workdir, timeout=timeout)
+      barrier.wait()
+      try:
+        won.append(lock.acquire())
+      except LockError as e:
+        refused.append(str(e))
+
+    threads = [threading.Thread(target=contend) for _ in range(contenders)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert len(won) == 1 and len(refused) == contenders - 1, (won, refused)
+    assert all("in use by another run (host " in r for r in refused), refused
+    return won[0]
+
+  first = race(timeout=60)
+  assert first.took_over is None
+  first._stop.set(); first._thread.join()  # its machine stalls: no more heartbeats
+  time.sleep(1.2)
+  second = race(timeout=1.0)  # the stale lease: taken over by exactly one of the contenders
+  assert second.took_over["token"] == first.me["token"]
+  first.beat()  # the stalled run wakes up
+  try:
+    first.check()
+    raise AssertionError("a run whose lease was taken over went on")
+  except LockError as e:
+    assert "was taken over by another run" in str(e) and str(second.me["pid"]) in str(e)
+  first.release()  # releases nothing: the lease is the second run's
+  with pytest.raises(LockError):
+    WorkdirLock(workdir, timeout=60).acquire()
+  second.release()
+  WorkdirLock(workdir, timeout=60).acquire().release()  # free again
+  return "OK"
+
+
+def test_lock_races_on_a_local_disk(tmp_path):
+  assert lock_races(str(tmp_path)) == "OK"
+  assert os.listdir(tmp_path) == []  # no lease and no temporary file left behind
+
+
 def test_lock_on_gcs(tmp_path):
-  """The same lease on gs:// (the local GCS emulator): held, refused to a second writer, released."""
+  """The same lease on gs:// (the local GCS emulator, which honours generation preconditions):
+  exactly one of racing launches wins a free or a stale lease; held, refused, taken over, released."""
   from tests.gcs_emulator import start_emulator
 
-  code = ("import sys; from tfx.lock import LockError, WorkdirLock\n"
-          "a = WorkdirLock('gs://tfx-test/run', timeout=60).acquire()\n"
-          "try:\n  WorkdirLock('gs://tfx-test/run', timeout=60).acquire(); print('BOTH')\n"
-          "except LockError as e:\n  print('REFUSED', e)\n"
-          "a.release()\nb = WorkdirLock('gs://tfx-test/run', timeout=60).acquire(); b.release(); print('AGAIN')\n")
+  code = "from tests.test_faults import lock_races; print(lock_races('gs://tfx-test/run'))"
   with start_emulator("tfx-test") as env:
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **env, "JAX_PLATFORMS": "cpu"},
                           capture_output=True, text=True, timeout=300)
-  assert "REFUSED" in proc.stdout and "AGAIN" in proc.stdout and "BOTH" not in proc.stdout, proc.stdout + proc.stderr
+  assert proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
 
 
 # ----------------------------------------------------------------------------- clean exits, one-line errors

@@ -259,6 +259,20 @@ def test_early_stopping_keeps_the_best_params(tmp_path, pretrained_decoder, monk
     np.testing.assert_array_equal(x, y)
 
 
+def test_a_diverging_finetune_stops_without_saving(tmp_path, pretrained_decoder):
+  """A learning rate of 1e30 makes the fine-tune non-finite within its first evaluation period:
+  it stops with one line, writes a `nonfinite` record, and saves no checkpoint (a bad state is
+  never saved, and the evaluation that would pick it as the best never runs)."""
+  workdir = str(tmp_path / "nan")
+  with pytest.raises(finetune.UserError, match="non-finite.*no checkpoint was saved.*finetune.learning_rate"):
+    finetune.run(None, pretrained_decoder, "stdlib:package", workdir,
+                 overrides=[*SMOKE, "finetune.learning_rate=1e30", "finetune.log_every=1"])
+  assert not os.listdir(os.path.join(workdir, "checkpoints"))
+  records = read_metrics(workdir)
+  assert [r["event"] for r in records if r["split"] == "event"] == ["nonfinite"]
+  assert not [r for r in records if r["split"] == "finetune_eval"]
+
+
 def test_finetune_encoder_on_the_pair_task(tmp_path, pretrained_encoder):
   """A BERT-style encoder (token types, [CLS] pooling) on stdlib:docstring: binary metrics with MCC."""
   result = finetune.run(None, pretrained_encoder, "stdlib:docstring", str(tmp_path / "pair"), overrides=[

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -193,3 +194,60 @@ def test_objective_state_is_carried_and_resumed(tmp_path, shared_tokenizer):
   assert without_timing(read_metrics(part)) == without_timing(read_metrics(str(tmp_path / "full")))
   with pytest.raises(Exception, match="cannot accumulate"):
     train.run(quick(shared_tokenizer, *overrides, "--config.train.grad_accum=2"), str(tmp_path / "bad"))
+
+
+def test_eval_with_memory_carries_it_across_held_out_streams(tmp_path, shared_tokenizer):
+  """train.eval_memory: the eval batches are contiguous held-out streams laid out as in training
+  (row r of batch k+1 starts reuse_len tokens after row r of batch k, reversed rows included with
+  bi_data), and the eval carries the memory from batch to batch: the reported eval loss is the
+  token-weighted mean of the objective's loss with the memory threaded through by hand, and a later
+  batch's loss depends on the earlier batch's tokens (without the option it does not)."""
+  from tfx.steps import make_eval_step
+
+  config = quick(shared_tokenizer, *XLNET_MEMORY, "--config.train.eval_memory=true", "--config.train.steps=4",
+                 "--config.train.eval_every=0", "--config.data.eval_batches=3")
+  result = train.run(config, str(tmp_path / "run"))
+  exp, params = result["experiment"], result["state"].params
+  batches = exp.pipeline.eval_batches()
+  assert len(batches) == 3 and exp.pipeline.eval_streams
+  stride, n = exp.pipeline.stride, exp.pipeline.row_length
+  assert stride == 32 < n
+  for before, after in zip(batches, batches[1:]):
+    np.testing.assert_array_equal(after["tokens"][:, :n - stride], before["tokens"][:, stride:])
+  assert [r for r in read_metrics(str(tmp_path / "run")) if r["split"] == "eval"][-1]["loss"] > 0
+
+  _, shardings = train.state_shardings(exp.model, exp.tx, exp.mesh, config.data.seq_len, exp.objective,
+                                       config.train.batch_size)
+  eval_step = make_eval_step(exp, shardings)
+  reported = train.evaluate(exp, eval_step, params, batches)
+  memory, total, count, losses = exp.objective.init_state(config.train.batch_size, exp.model.cfg), 0.0, 0.0, []
+  for batch in batches:  # the memory threaded through by hand
+    _, m = exp.objective.loss(exp.model, params, {k: jnp.asarray(v) for k, v in batch.items()}, jax.random.key(0),
+                              train=False, state=memory)
+    memory, k = m["state"], float(m["num_tokens"])
+    total, count = total + float(m["loss"]) * k, count + k
+    losses.append(float(m["loss"]))
+  np.testing.assert_allclose(reported["loss"], total / count, rtol=2e-5)
+
+  def second_batch_loss(first_tokens, carry):
+    memory = exp.objective.init_state(config.train.batch_size, exp.model.cfg) if carry else None
+    for batch in (dict(batches[0], tokens=first_tokens), batches[1]):
+      _, m = exp.objective.loss(exp.model, params, {k: jnp.asarray(v) for k, v in batch.items()}, jax.random.key(0),
+                                train=False, state=memory)
+      memory = m["state"] if carry else None
+    return float(m["loss"])
+
+  # (4 training steps: the memory moves the loss by ~1e-4 only, hence exact float comparisons)
+  other = np.full_like(batches[0]["tokens"], 400)  # another first batch: another memory
+  assert second_batch_loss(other, True) != losses[1]  # batch 1 saw what batch 0 left in the memory
+  assert second_batch_loss(batches[0]["tokens"], False) == second_batch_loss(other, False) != losses[1]
+
+
+def test_eval_memory_is_refused_without_memory(tmp_path):
+  from tfx import config as config_lib
+
+  with pytest.raises(config_lib.ConfigError, match="train.eval_memory=True: objective 'causal_lm' carries no memory"):
+    config_lib.validate(tiny_config("--config.train.eval_memory=true"), num_devices=1)
+  with pytest.raises(config_lib.ConfigError, match="train.eval_memory=True needs memory"):
+    config_lib.validate(tiny_config(*XLNET_MEMORY, "--config.model.mem_len=0", "--config.train.eval_memory=true"),
+                        num_devices=1)

@@ -233,6 +233,7 @@ def restore_good(workdir, mngr: ocp.CheckpointManager, abstract_state, *, step: 
   marker = epath.Path(workdir) / SET_ASIDE / f"restore_step_{step}.done"
   if step and move_aside and marker.exists():  # applied by an earlier invocation: resume as usual
     step = 0
+  _barrier("tfx-restore-listed")  # every process has its view of the steps before process 0 moves any
   if not found:
     if step:
       raise CheckpointError(f"train.restore_step={step}: {checkpoint_dir(workdir)} has no checkpoints")
@@ -261,11 +262,13 @@ def restore_good(workdir, mngr: ocp.CheckpointManager, abstract_state, *, step: 
     if state is not None and not all_finite(state.params if hasattr(state, "params") else state):
       status, detail = "nonfinite", "its parameters are not finite"
     if state is not None and status != "nonfinite":
+      _barrier(f"tfx-restored-{s}")  # processes that reached different verdicts fail here, not later
       if move_aside:
         mngr.reload()
       return state, data_state, s
     problems.append(f"step {s}: {detail}")
     older = [c for c in candidates if c < s]
+    _barrier(f"tfx-set-aside-{s}")  # every process is done reading step s (and agrees it is bad)
     if move_aside:
       where = set_aside(workdir, s, f"{status}: {detail}")
       note(f"warning: checkpoint {s} is {status} ({detail}); moved to {where}; "
@@ -274,6 +277,15 @@ def restore_good(workdir, mngr: ocp.CheckpointManager, abstract_state, *, step: 
       note(f"warning: checkpoint {s} is {status} ({detail}); " + (f"using step {older[0]}" if older else ""))
   raise CheckpointError(f"no checkpoint in {checkpoint_dir(workdir)} could be restored ({'; '.join(problems)}); "
                         f"start over with a new --workdir")
+
+
+def _barrier(name: str) -> None:
+  """All processes of a multi-host run meet here; a process that arrives with another name (it
+  reached another verdict on a checkpoint) makes the check fail instead of restoring other bits."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
 
 
 def describe(workdir) -> list[dict]:

@@ -50,6 +50,7 @@ from etils import epath
 from tfx import checkpoint, config as config_lib, parallel, train
 from tfx.data import store
 from tfx.errors import UserError
+from tfx.guard import Guard
 from tfx.metrics import MetricsWriter, Progress, read_metrics
 from tfx.models import build_classifier, build_model
 from tfx.tasks import SPLITS, Task, classification_metrics, format_balance, load_task, majority_baseline
@@ -357,8 +358,10 @@ def run(config: ml_collections.ConfigDict | None, from_workdir: str | None, task
                                                  setup.task.num_classes)
   preempt = train._Preemption()
   step = start_step = int(jax.device_get(state.step))
+  guard = _guard(exp.config, writer, progress, latest)
   sign = -1.0 if ft.select_metric == "loss" else 1.0
-  pending: list[dict] = []
+  pending: list[dict] = []  # device metrics not yet read
+  host: list[dict] = []  # read (one transfer per log or save) and passed by the guard
   last_time, last_step = time.time(), step
   while not book["done"]:
     indices = train_indices(len(rows["train"]), ft.batch_size, ft.seed, step)
@@ -368,16 +371,24 @@ def run(config: ml_collections.ConfigDict | None, from_workdir: str | None, task
     if step == start_step + 1:  # the first step compiles: keep it out of the throughput
       jax.block_until_ready(metrics)
       last_time, last_step = time.time(), step
-    if step % ft.log_every == 0 or step == ft.steps:
-      values = {k: float(np.mean([m[k] for m in jax.device_get(pending)])) for k in pending[0]}
+    log_due = step % ft.log_every == 0 or step == ft.steps
+    evaluated = step % ft.eval_every == 0 or step == ft.steps
+    every = ft.checkpoint_every
+    save_due = bool((every and step % every == 0) or (not every and evaluated) or step >= ft.steps)
+    if log_due or save_due or evaluated:  # non-finite steps: stop (or skip) before anything is kept
+      fresh, pending = jax.device_get(pending), []
+      guard.check(fresh, step)
+      host += fresh
+    if log_due:
+      finite = [m for m in host if not m["nonfinite"]] or host
+      values = {k: float(np.mean([m[k] for m in finite])) for k in host[0] if k != "nonfinite"}
       values["examples"] = values.pop("num_tokens")
-      pending, now = [], time.time()
+      host, now = [], time.time()
       sec_per_step = (now - last_time) / (step - last_step) if step > last_step else None
       last_time, last_step = now, step
       values["tokens_per_sec"] = ft.batch_size * setup.length / sec_per_step if sec_per_step else None
       writer.write(step, "finetune", values)
       progress.train(step, values["loss"], values["tokens_per_sec"], sec_per_step)
-    evaluated = step % ft.eval_every == 0 or step == ft.steps
     if evaluated:
       scores = evaluate(state.params, "validation")
       book["evaluations"] += 1
@@ -393,9 +404,13 @@ def run(config: ml_collections.ConfigDict | None, from_workdir: str | None, task
       last_time = time.time()  # evaluation time is not training throughput
     book["done"] = step >= ft.steps or book["stopped_early"]
     stopping = bool(ft.stop_after and step - start_step >= ft.stop_after) or preempt.should_stop()
-    every = ft.checkpoint_every
-    if (every and step % every == 0) or (not every and evaluated) or book["done"] or stopping:
+    if save_due or book["done"] or stopping:
+      if pending:  # stopping between reads
+        fresh, pending = jax.device_get(pending), []
+        guard.check(fresh, step)
+        host += fresh
       checkpoint.save(mngr, step, {"train": state, "best": best}, json.loads(json.dumps(book)))  # a snapshot
+      guard.saved(step)
       writer.flush()
     if stopping and not book["done"]:
       progress.note(f"stopping at step {step} (checkpoint saved); run the same command to resume")
@@ -411,6 +426,18 @@ def run(config: ml_collections.ConfigDict | None, from_workdir: str | None, task
   writer.close()
   _print_result(result, progress)
   return result
+
+
+def _guard(config, writer: MetricsWriter, progress: Progress, latest: int | None) -> Guard:
+  """The pretraining run's non-finite policy for the fine-tune: `skip` drops such steps (inside the
+  jitted step), `stop` and `rewind` stop with one line (a fine-tune is short: run it again with a
+  lower finetune.learning_rate). Nothing after the last finite checkpoint is saved."""
+  skip = config.train.get("on_nonfinite", "stop") == "skip"
+  guard = Guard(config.train, writer, progress, policy="skip" if skip else "stop",
+                advice="Lower finetune.learning_rate (or raise finetune.warmup_steps) and run the same command "
+                       "to resume from the last good checkpoint")
+  guard.good_checkpoint, guard.spike_factor = latest, 0.0  # a fine-tune's loss falls fast: no spike warnings
+  return guard
 
 
 def _finish(setup: Setup, book: dict, best, evaluate, writer: MetricsWriter, step: int) -> dict[str, Any]:

@@ -36,8 +36,11 @@ class NonFiniteError(UserError):
 
 class Guard:
 
-  def __init__(self, train_cfg, writer, progress):
-    self.policy = train_cfg.on_nonfinite
+  def __init__(self, train_cfg, writer, progress, *, policy: str | None = None, advice: str | None = None):
+    self.policy = policy or train_cfg.on_nonfinite
+    self.advice = advice or ("Lower optim.learning_rate or raise optim.warmup_steps, or set "
+                             "--config.train.on_nonfinite=skip (drop such steps) or =rewind (go back to the last "
+                             "checkpoint), and run the same command to resume")
     self.max_skipped = train_cfg.max_skipped
     self.spike_factor = train_cfg.spike_factor
     self.poison_step = train_cfg.poison_step
@@ -56,11 +59,12 @@ class Guard:
     return None
 
   def check(self, metrics: list, last_step: int):
-    """Reads the flags of the steps `last_step - len(metrics) + 1 .. last_step` (device arrays);
+    """Reads the flags of the steps `last_step - len(metrics) + 1 .. last_step` (the train step's
+    metrics, already on the host: the loop reads them once for the guard and the log);
     returns None (go on) or REWIND; raises NonFiniteError when the policy says stop."""
     if not metrics:
       return None
-    host = jax.device_get([{k: m[k] for k in ("loss", "grad_norm", "nonfinite")} for m in metrics])
+    host = jax.device_get(metrics)  # a no-op on host values
     first = last_step - len(host) + 1
     bad = []
     for i, m in enumerate(host):
@@ -101,9 +105,7 @@ class Guard:
     where = (f"the last good checkpoint is step {self.good_checkpoint}" if self.good_checkpoint is not None
              else "no checkpoint was saved")
     raise NonFiniteError(
-        f"training diverged: non-finite {why}; nothing after it was saved ({where}). Lower optim.learning_rate "
-        f"or raise optim.warmup_steps, or set --config.train.on_nonfinite=skip (drop such steps) or =rewind "
-        f"(go back to the last checkpoint), and run the same command to resume")
+        f"training diverged: non-finite {why}; nothing after it was saved ({where}). {self.advice}")
 
   def rewound(self, step: int) -> None:
     """The loop went back to `step`: a record saying so (metrics after it were dropped)."""

@@ -200,24 +200,38 @@ def make_train_step(exp: Experiment, shardings):
 
 
 def make_eval_step(exp: Experiment, shardings):
+  """Jitted (params, batch) -> metrics. A stateful objective evaluates from an empty state, or,
+  with train.eval_memory, carries its state (XLNet's memory) from one eval batch to the next as
+  in training: then the step is (params, batch, state) -> (metrics, state) and `run.initial_state()`
+  gives the state to start from (the eval batches are then contiguous held-out streams)."""
   frozen, frozen_shardings = objective_frozen(exp)
+  carry = bool(exp.objective.stateful and exp.config.get("train", {}).get("eval_memory", False))
 
-  def eval_fn(params, batch, frozen):
-    extra = {"state": None} if exp.objective.stateful else {}  # eval starts from an empty state
+  def eval_fn(params, batch, frozen, state=None):
+    extra = {"state": state} if exp.objective.stateful else {}  # None: eval starts from an empty state
     if getattr(exp.objective, "frozen_inputs", False):
       extra["frozen"] = frozen
     _, metrics = exp.objective.loss(exp.model, params, batch, jax.random.key(0), train=False, **extra)
-    return {k: v for k, v in metrics.items() if k != "state"}
+    out = {k: v for k, v in metrics.items() if k != "state"}
+    return (out, metrics["state"]) if carry else out
 
-  jitted = jax.jit(eval_fn, in_shardings=(shardings.params, parallel.batch_sharding(exp.mesh), frozen_shardings),
-                   out_shardings=parallel.replicated(exp.mesh))
+  in_shardings = (shardings.params, parallel.batch_sharding(exp.mesh), frozen_shardings)
+  out_shardings = parallel.replicated(exp.mesh)
+  if carry:
+    in_shardings += (shardings.objective_state,)
+    out_shardings = (out_shardings, shardings.objective_state)
+  jitted = jax.jit(eval_fn, in_shardings=in_shardings, out_shardings=out_shardings)
 
-  def run(params, batch):
+  def run(params, batch, state=None):
     with parallel.context(exp.mesh):
-      return jitted(params, batch, frozen)
+      return jitted(params, batch, frozen, state) if carry else jitted(params, batch, frozen)
 
-  run.jitted = jitted  # (params, batch, frozen inputs)
+  def initial_state():
+    init = exp.objective.init_state(exp.config.train.batch_size, exp.model.cfg)
+    return jax.device_put(init, shardings.objective_state)
 
+  run.jitted = jitted  # (params, batch, frozen inputs[, state])
+  run.carry, run.initial_state = carry, initial_state
   return run
 
 
@@ -225,8 +239,12 @@ def evaluate(exp: Experiment, eval_step, params, batches) -> dict[str, float]:
   """Token-weighted mean of the eval metrics over the held-out batches."""
   totals: dict[str, float] = {}
   count = 0.0
+  carry = getattr(eval_step, "carry", False)
+  state = eval_step.initial_state() if carry else None
   for batch in batches:
-    m = jax.device_get(eval_step(params, parallel.global_batch(batch, exp.mesh)))
+    out = eval_step(params, parallel.global_batch(batch, exp.mesh), *((state,) if carry else ()))
+    out, state = out if carry else (out, None)
+    m = jax.device_get(out)
     n = float(m["num_tokens"])
     count += n
     for k, v in m.items():

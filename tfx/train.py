@@ -66,7 +66,8 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> Experiment:
         config, row_length=objective.raw_length(d.seq_len), process_index=jax.process_index(),
         process_count=jax.process_count(), streams=objective.contiguous_rows,
         stride=objective.row_stride(d.seq_len) if objective.contiguous_rows else 0,
-        reversed_streams=objective.contiguous_rows and objective.reversed_streams())
+        reversed_streams=objective.contiguous_rows and objective.reversed_streams(),
+        eval_streams=objective.contiguous_rows and bool(config.train.get("eval_memory", False)))
   except ValueError as e:
     raise DataError(str(e)) from e
   tx, schedule = make_optimizer(config)
@@ -180,10 +181,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     if lock.took_over is not None:
       progress.note(f"took over the lock of a run that is gone (host {lock.took_over.get('host')}, pid "
                     f"{lock.took_over.get('pid')})")
-    return _run_locked(config, workdir, diffs, progress, created)
+    return _run_locked(config, workdir, diffs, progress, created, lock)
 
 
-def _run_locked(config, workdir: str, diffs: dict, progress: Progress, created: bool) -> dict[str, Any]:
+def _run_locked(config, workdir: str, diffs: dict, progress: Progress, created: bool,
+                lock: WorkdirLock) -> dict[str, Any]:
   t = config.train
   try:
     exp = build(config, workdir)
@@ -204,7 +206,7 @@ def _run_locked(config, workdir: str, diffs: dict, progress: Progress, created: 
     abstract, shardings = state_shardings(exp.model, exp.tx, exp.mesh, config.data.seq_len, exp.objective,
                                           t.batch_size)
     guard = Guard(t, writer, progress)
-    return _train(exp, mngr, guard, writer, progress, abstract, shardings, diffs)
+    return _train(exp, mngr, guard, writer, progress, abstract, shardings, diffs, lock)
   finally:  # a save in flight completes (or fails loudly) on every way out
     checkpoint.finish(mngr)
     mngr.close()
@@ -218,7 +220,7 @@ def _fresh_state(exp: Experiment, shardings):
 
 
 def _train(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress: Progress, abstract, shardings,
-           diffs: dict):
+           diffs: dict, lock: WorkdirLock):
   config, workdir, t = exp.config, exp.workdir, exp.config.train
   restored = checkpoint.restore_good(workdir, mngr, checkpoint.abstract_like(abstract, shardings),
                                       step=t.restore_step, note=progress.note)
@@ -237,13 +239,13 @@ def _train(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress:
 
   preempt = _Preemption(interrupt=True)
   try:
-    return _loop(exp, mngr, guard, writer, progress, abstract, shardings, state, preempt)
+    return _loop(exp, mngr, guard, writer, progress, abstract, shardings, state, preempt, lock)
   finally:
     preempt.close()
 
 
 def _loop(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress: Progress, abstract, shardings, state,
-          preempt: _Preemption):
+          preempt: _Preemption, lock: WorkdirLock):
   config, workdir, t = exp.config, exp.workdir, exp.config.train
   train_step = make_train_step(exp, shardings)
   eval_step = make_eval_step(exp, shardings)
@@ -258,8 +260,8 @@ def _loop(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress: 
     initial = evaluate(exp, eval_step, state.params, eval_batches)
     writer.write(0, "eval", initial)
     progress.eval(0, initial["loss"], initial.get("accuracy", float("nan")))
-  pending: list[dict] = []
-  checked = 0  # pending[:checked] passed the guard
+  pending: list[dict] = []  # the metrics (device arrays) of the steps not yet read
+  host: list[dict] = []  # those read (one transfer per log or save), passed by the guard, not yet logged
   last_time, last_step = time.time(), step
   eval_record = None
   while step < t.steps:
@@ -273,16 +275,17 @@ def _loop(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress: 
     log_due = step % t.log_every == 0 or step == t.steps
     stopping = (t.stop_after and step - start_step >= t.stop_after) or preempt.should_stop()
     save_due = (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps or stopping
-    if log_due or save_due:  # the flags are read where the metrics are (and before any save)
-      if guard.check(pending[checked:], step) == REWIND:
+    if log_due or save_due:  # the flags are read with the metrics (and before any save)
+      fresh, pending = jax.device_get(pending), []
+      if guard.check(fresh, step) == REWIND:
         state, step = _rewind(exp, mngr, guard, writer, abstract, shardings)
-        pending, checked = [], 0
+        host = []
         last_time, last_step = time.time(), step
         continue
-      checked = len(pending)
+      host += fresh
     if log_due:
-      values = _train_values(jax.device_get(pending))
-      pending, checked = [], 0
+      values = _train_values(host)
+      host = []
       now = time.time()
       timed = step - last_step
       sec_per_step = (now - last_time) / timed if timed else None
@@ -297,6 +300,7 @@ def _loop(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress: 
       progress.eval(step, eval_values["loss"], eval_values.get("accuracy", float("nan")))
       last_time = time.time()  # evaluation time is not training throughput
     if save_due:
+      lock.check()  # another run took the workdir over while this one stalled: write nothing more
       _save(exp, mngr, guard, step, state)
       writer.flush()
     if stopping:

@@ -19,7 +19,7 @@ def get_sweep(smoke: bool) -> Sweep:
   if smoke:  # minutes on 2 CPU cores
     size = ("data.seq_len=64", "data.vocab_size=1000", "data.max_documents=200", "train.batch_size=8",
             "train.log_every=10", "train.eval_every=20", "train.checkpoint_every=60")
-    seeds, budget = (0, 1), 60 * 8 * 64
+    seeds, budget = (0, 1, 2), 60 * 8 * 64
     tune = ("finetune.steps=200", "finetune.batch_size=32", "finetune.learning_rate=1e-3", "finetune.eval_every=50",
             "finetune.log_every=50", "finetune.patience=0")
   else:  # a GPU: about 1 h per arm and seed on one H100 (not measured here)

@@ -179,6 +179,10 @@ class DataPipeline:
         reversed_streams: with ``streams`` (XLNet's bi_data): rows ``[0, B/2)`` of
             every global batch are ``B/2`` forward streams and rows ``[B/2, B)`` are
             the same streams read backwards. ``global_batch`` must be even.
+        eval_streams: with ``streams``, the eval batches are laid out like the
+            training ones (held-out documents in order, cut into contiguous streams
+            ``stride`` apart, reversed ones too with ``reversed_streams``), so that an
+            objective with memory can be evaluated carrying it (train.eval_memory).
         prefetch: batches built ahead in a background thread (0 = on the caller's thread).
 
     Raises:
@@ -193,7 +197,7 @@ class DataPipeline:
   def _setup(self, train, heldout, *, eos_id: int, row_length: int, global_batch: int, seed: int,
              eval_batches: int = 4, process_index: int = 0, process_count: int = 1,
              shuffle_rows: bool = True, streams: bool = False, stride: int = 0,
-             reversed_streams: bool = False, prefetch: int = 0) -> None:
+             reversed_streams: bool = False, eval_streams: bool = False, prefetch: int = 0) -> None:
     _check_args(row_length, global_batch, seed, eval_batches, process_index, process_count)
     if not len(train.lengths) or not len(heldout.lengths):
       empty = "training" if not len(train.lengths) else "held-out (eval)"
@@ -214,6 +218,7 @@ class DataPipeline:
     if not 0 < self.stride <= self.row_length:
       raise ValueError(f"stride={stride} must be in (0, row_length={self.row_length}]")
     self.reversed_streams = bool(reversed_streams)
+    self.eval_streams = bool(eval_streams) and self.streams
     if self.reversed_streams and (not self.streams or self.global_batch % 2):
       raise ValueError(f"reversed streams (objective.bi_data) need contiguous streams and an even global batch, "
                        f"got train.batch_size={self.global_batch}; use an even batch size")
@@ -442,13 +447,13 @@ class DataPipeline:
 
   # -------------------------------------------------------------------- eval
 
-  def _build_eval(self) -> list[Batch]:
-    wanted = self.num_eval_batches * self.global_batch
+  def _heldout_stream(self, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [n], doc_starts [n]) of the first held-out documents, in order, with their EOS,
+    until at least `tokens` tokens (or the whole split)."""
     split, eos = self._heldout, np.int32(self.eos_id)
-    available = -(-(split.num_tokens + len(split.lengths)) // self.row_length)
     docs, used = [], 0
     for d in range(len(split.lengths)):  # only as many held-out documents as the batches need
-      if used >= wanted * self.row_length:
+      if used >= tokens:
         break
       start = int(split.starts[d])
       docs.append(np.append(split.read(start, start + int(split.lengths[d])), eos))
@@ -456,6 +461,33 @@ class DataPipeline:
     flat, offsets = _flatten(docs)
     doc_starts = np.zeros(len(flat), bool)
     doc_starts[offsets[:-1]] = True
+    return flat, doc_starts
+
+  def _build_eval_streams(self) -> list[Batch]:
+    """Eval batch b holds row b of each of the global_batch held-out streams (the training layout)."""
+    forward = self.global_batch // 2 if self.reversed_streams else self.global_batch
+    per_stream = (self.num_eval_batches - 1) * self.stride + self.row_length
+    flat, doc_starts = self._heldout_stream(forward * per_stream)
+    count = min(self.num_eval_batches, (len(flat) // forward - self.row_length) // self.stride + 1)
+    if count < 1:
+      raise ValueError(f"eval with memory (train.eval_memory) needs {forward} held-out streams of at least "
+                       f"{self.row_length} tokens ({forward * self.row_length} in all); the held-out split has "
+                       f"{len(flat)}: raise data.eval_fraction or lower train.batch_size")
+    rows = pack_streams(flat[:forward * ((count - 1) * self.stride + self.row_length)],
+                        doc_starts[:forward * ((count - 1) * self.stride + self.row_length)], self.row_length,
+                        forward, self.stride, reversed_copies=self.reversed_streams)
+    self.eval_note = (f"eval on {count} of {self.num_eval_batches} batches of held-out streams (the held-out split "
+                      f"is too small for more)" if count < self.num_eval_batches else "")
+    order = np.arange(self.global_batch)[None, :] * count + np.arange(count)[:, None]  # [count, global_batch]
+    return self._host_batches({k: v[order.reshape(-1)] for k, v in rows.items()}, count)
+
+  def _build_eval(self) -> list[Batch]:
+    if self.eval_streams:
+      return self._build_eval_streams()
+    wanted = self.num_eval_batches * self.global_batch
+    split = self._heldout
+    available = -(-(split.num_tokens + len(split.lengths)) // self.row_length)
+    flat, doc_starts = self._heldout_stream(wanted * self.row_length)
     rows = pack_stream(flat, doc_starts, self.row_length, pad_tail=True)
     if len(rows["tokens"]) > wanted:
       rows = {k: v[:wanted] for k, v in rows.items()}
@@ -477,6 +509,10 @@ class DataPipeline:
                    f"{self.global_batch}; the eval batch has {padding} all-padding rows "
                    f"(segment 0)")
     self.eval_note = "; ".join(notes)
+    return self._host_batches(rows, count)
+
+  def _host_batches(self, rows: Batch, count: int) -> list[Batch]:
+    """This host's part of each of the first `count` global batches of `rows` (read-only)."""
     batches = []
     for b in range(count):
       global_batch = {k: v[b * self.global_batch:(b + 1) * self.global_batch]

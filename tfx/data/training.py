@@ -29,13 +29,14 @@ class TrainingData:
   identity: dict  # recorded in every checkpoint; see corpus_changes
 
   def pipeline(self, config, *, row_length: int, process_index: int = 0, process_count: int = 1,
-               streams: bool = False, stride: int = 0, reversed_streams: bool = False) -> DataPipeline:
+               streams: bool = False, stride: int = 0, reversed_streams: bool = False,
+               eval_streams: bool = False) -> DataPipeline:
     """This host's batches of the store (see :meth:`DataPipeline.from_splits`)."""
     return DataPipeline.from_splits(
         self.train, self.heldout, eos_id=self.tokenizer.eos_id, row_length=row_length,
         global_batch=config.train.batch_size, seed=config.train.seed, eval_batches=config.data.eval_batches,
         process_index=process_index, process_count=process_count, streams=streams, stride=stride,
-        reversed_streams=reversed_streams, prefetch=int(config.data.get("prefetch", 0)))
+        reversed_streams=reversed_streams, eval_streams=eval_streams, prefetch=int(config.data.get("prefetch", 0)))
 
 
 def store_dir(config, workdir) -> epath.Path:

@@ -168,6 +168,9 @@ class Objective:
     if cls.stateful and config.train.grad_accum > 1:
       problems.append(f"objective {config.objective.name!r} carries state between steps and cannot accumulate "
                       "gradients over micro-batches; set train.grad_accum=1")
+    if config.train.get("eval_memory", False) and not (cls.stateful and cls.contiguous_rows):
+      problems.append(f"train.eval_memory=True: objective {config.objective.name!r} carries no memory between "
+                      "batches; set train.eval_memory=False (it is for permutation_lm on xlnet with model.mem_len > 0)")
     # The objective's own field checks, before any tokenizer exists (ids are placeholders).
     try:
       cls.from_config(config.objective, placeholder_ids(config.data.vocab_size)).check_seq_len(config.data.seq_len)

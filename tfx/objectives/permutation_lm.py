@@ -155,6 +155,9 @@ class PermutationLM(Objective):
         problems.append(f"model.reuse_len={m.reuse_len} must equal the objective's reuse length {reuse_len} "
                         "(objective.reuse_len, 0 = seq_len // 2): the memory is built from the first reuse_len "
                         "positions, which the next row continues; set both to the same value")
+    if config.train.get("eval_memory", False) and not (m.family == "xlnet" and m.mem_len):
+      problems.append("train.eval_memory=True needs memory: model.family=xlnet with model.mem_len > 0 "
+                      f"(got {m.family}, mem_len {m.mem_len}); set train.eval_memory=False")
     if o.bi_data and config.train.batch_size % 2:
       problems.append(f"objective.bi_data=True reads half the batch backwards and needs an even train.batch_size, "
                       f"got {config.train.batch_size}")
@@ -325,9 +328,10 @@ class PermutationLM(Objective):
 
   def loss(self, model, params, batch, rng, *, train, state=None):
     """`state` is the memory carried from the previous step (None: no memory, e.g. eval). With
-    bi_data, training batches hold reversed rows in their second half (`bi_signs`); evaluation
-    batches are forward text only."""
+    bi_data, training batches hold reversed rows in their second half (`bi_signs`); so do eval
+    batches evaluated with memory (train.eval_memory); other evaluation batches are forward text."""
     feature_rng, dropout_rng = jax.random.split(rng)
     x = self.features(batch, feature_rng)
-    bi_sign = bi_signs(x["tokens"].shape[0]) if self.bi_data and train else None
+    # eval with memory (state given) reads the training layout, reversed half included
+    bi_sign = bi_signs(x["tokens"].shape[0]) if self.bi_data and (train or state is not None) else None
     return self.loss_on_features(model, params, x, dropout_rng, train=train, mems=state, bi_sign=bi_sign)
