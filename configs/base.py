@@ -39,6 +39,12 @@ def get_config() -> ml_collections.ConfigDict:
   # T5 relative positions: number of buckets and the distance where the last bucket starts.
   c.model.relative_buckets = 32
   c.model.relative_max_distance = 128
+  # T5 relative positions: 'columns' = distances are column offsets, one [1, heads, t, s] bias per
+  # batch (as HF's T5): the same as the position ids' differences wherever attention is allowed,
+  # because positions advance by one within a segment in every row tfx builds. 'positions' = from
+  # the position ids, one [batch, heads, t, s] bias (for an objective whose positions skip inside a
+  # segment). Generation with a KV cache always uses the position ids.
+  c.model.relative_distance = "columns"
   # XLNet (Transformer-XL) memory: cached hidden states per layer (0 = no memory).
   c.model.mem_len = 0
   # XLNet: how many leading positions of a row go into the next step's memory (0 = seq_len/2).

@@ -6,7 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.conftest import tiny_config
+import os
+
+from tests.conftest import ROOT, tiny_config
 from tfx.models import build_model
 from tfx.objectives import SpecialIds
 from tfx.objectives.causal_lm import CausalLM, causal_lm_inputs, shift_right_by_segment
@@ -145,3 +147,47 @@ def test_scan_and_unrolled_agree():
   a = model_s.apply({"params": params_s}, tokens, seg, pos)
   b = model_u.apply({"params": params_u}, tokens, seg, pos)
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+RELATIVE_CASES = {
+    "t5_span_corruption": ("t5_tiny.py", ()),
+    "ul2_mixture": ("ul2_tiny.py", ()),
+    "encoder_mlm_relative": ("bert_tiny.py", ("--config.model.position=relative",)),
+}
+
+
+@pytest.mark.parametrize("case", list(RELATIVE_CASES))
+def test_relative_bias_from_columns_is_the_position_bias(case, shared_tokenizer, tmp_path):
+  """model.relative_distance='columns' (one [1, h, t, s] bias per batch, as HF's T5) computes the
+  same loss and gradients as the bias from the position ids ([b, h, t, s]) on the rows tfx's
+  pipeline and objectives build (packed documents, positions restarting per segment)."""
+  import dataclasses
+
+  from tfx import train
+  from tfx.config import load_config
+
+  name, extra = RELATIVE_CASES[case]
+  config = load_config(os.path.join(ROOT, "configs", name), [
+      f"--config.data.tokenizer={shared_tokenizer}", "--config.data.max_documents=60", "--config.train.batch_size=4",
+      "--config.model.dropout=0.0", *extra])
+  exp = train.build(config, str(tmp_path))
+  assert exp.model.cfg.position == "relative" and exp.model.cfg.relative_distance == "columns"
+  by_position = exp.model.clone(cfg=dataclasses.replace(exp.model.cfg, relative_distance="positions"))
+  _, shardings = train.state_shardings(exp.model, exp.tx, exp.mesh, config.data.seq_len, exp.objective,
+                                       config.train.batch_size)
+  params = train.init_state(exp.model, exp.tx, exp.mesh, config.data.seq_len, 0, shardings, exp.objective,
+                            config.train.batch_size).params
+  for cut in (None, 11):
+    batch = dict(exp.pipeline.next_batch())
+    if cut:  # a document boundary at column `cut` of every row: positions restart there
+      n = batch["tokens"].shape[1]
+      batch["segment_ids"] = np.where(np.arange(n) < cut, 1, 2)[None].repeat(len(batch["tokens"]), 0)
+      batch["positions"] = np.where(np.arange(n) < cut, np.arange(n), np.arange(n) - cut)[None].repeat(
+          len(batch["tokens"]), 0)
+    batch = {k: jnp.asarray(v, jnp.int32) for k, v in batch.items()}
+    grad = lambda model: jax.grad(lambda p: exp.objective.loss(model, p, batch, jax.random.key(1), train=True)[0])
+    (a, ma), (b, mb) = [exp.objective.loss(m, params, batch, jax.random.key(1), train=True)
+                        for m in (exp.model, by_position)]
+    np.testing.assert_allclose(float(a), float(b), rtol=1e-6)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7), grad(exp.model)(params),
+                 grad(by_position)(params))

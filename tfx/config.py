@@ -287,6 +287,7 @@ _CHOICES = {
     "model.mlp": ("gelu", "gelu_exact", "relu", "geglu", "swiglu"),
     "model.dtype": ("float32", "bfloat16"),
     "model.attention": ("auto", "xla", "cudnn", "reference"),
+    "model.relative_distance": ("columns", "positions"),
     "data.verify_store": ("background", "open", "off"),
 }
 
@@ -338,7 +339,10 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int, process_cou
   m, d, t, o = config.model, config.data, config.train, config.optim
 
   for key, choices in _CHOICES.items():
-    value = _get(config, key)
+    try:
+      value = _get(config, key)
+    except (KeyError, AttributeError):
+      continue  # the config of a run older than the key: the model's default applies
     if value not in choices:
       problems.append(f"{key}={value!r}: choose one of {', '.join(choices)}")
   from tfx.models import POSITIONS

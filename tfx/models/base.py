@@ -121,10 +121,15 @@ class Family(nn.Module):
     g = nn.with_logical_constraint(g, ("act_batch", "act_length", "act_embed"))
     return x, drop(g)
 
-  def relative_bias(self, q_positions, k_positions, *, bidirectional: bool, name: str):
-    """[b, h, t, s] T5 relative-position bias of a stack, or None for other position kinds."""
+  def relative_bias(self, q_positions, k_positions, *, bidirectional: bool, name: str, decode: bool = False):
+    """T5 relative-position bias of a stack, or None for other position kinds: [1, h, t, s] from
+    column offsets (model.relative_distance='columns', not while decoding with a KV cache), else
+    [b, h, t, s] from the position ids [b, t] / [b, s]."""
     if self.cfg.position != "relative":
       return None
+    if self.cfg.relative_distance == "columns" and not decode:
+      q_positions = jnp.arange(q_positions.shape[1], dtype=jnp.int32)[None, :]  # [1, t]
+      k_positions = jnp.arange(k_positions.shape[1], dtype=jnp.int32)[None, :]  # [1, s]
     return RelativePositionBias(self.cfg, bidirectional, name=name)(q_positions, k_positions)
 
   def lm_head(self, embed: Embed, x: jax.Array, *, bias: bool = False) -> jax.Array:

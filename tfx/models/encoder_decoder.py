@@ -59,7 +59,8 @@ class EncoderDecoder(Family):
     else:
       mask = ops.decoder_mask(decoder_segment_ids)  # [b, 1, t, t]
       k_positions = decoder_positions
-    bias = self.relative_bias(decoder_positions, k_positions, bidirectional=False, name="decoder_relative_bias")
+    bias = self.relative_bias(decoder_positions, k_positions, bidirectional=False, name="decoder_relative_bias",
+                              decode=decode)
     cross_mask = ops.segment_mask(decoder_segment_ids, encoder_segment_ids)  # [b, 1, t, s]
     x = Stack(cfg, cfg.decoder_layers, deterministic=not train, decode=decode, cross=True, name="decoder")(
         x, mask, decoder_positions, decoder_segment_ids, bias, encoded, cross_mask)

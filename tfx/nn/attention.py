@@ -126,7 +126,7 @@ class RelativePositionBias(nn.Module):
 
   @nn.compact
   def __call__(self, q_positions: jax.Array, k_positions: jax.Array) -> jax.Array:
-    """q_positions [b, t], k_positions [b, s] int -> bias [b, h, t, s] float32."""
+    """q_positions [b, t], k_positions [b, s] int -> bias [b, h, t, s] float32 (b may be 1)."""
     cfg = self.cfg
     table = self.param(
         "embedding",

@@ -34,6 +34,7 @@ class ModelConfig:
   rope_base: float = 10000.0
   relative_buckets: int = 32
   relative_max_distance: int = 128
+  relative_distance: str = "columns"  # T5 bias from column offsets ([1, h, t, s]) or from position ids
   type_vocab_size: int = 0
   mem_len: int = 0
   reuse_len: int = 0
