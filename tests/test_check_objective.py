@@ -72,6 +72,14 @@ LEAKS = textwrap.dedent('''
 
 
     @dataclasses.dataclass(frozen=True)
+    class SkippingPositions(MaskedLM):
+      """Gives the model positions that advance by two inside a document (no leak: a wrong geometry)."""
+
+      def loss(self, model, params, batch, rng, *, train):
+        return super().loss(model, params, dict(batch, positions=batch["positions"] * 2), rng, train=train)
+
+
+    @dataclasses.dataclass(frozen=True)
     class NoPredictions(Objective):
       """Implements loss only."""
 
@@ -107,6 +115,18 @@ def test_planted_leaks_are_caught(leaks, config_file, cls, family, failing):
   assert "first: row" in by_check[failing].detail  # says where
   # Everything that is not about the leak still passes: the checker points at the leak, not around it.
   assert by_check["padding changes nothing"].ok and by_check["jit (static shapes)"].ok
+
+
+def test_positions_that_skip_inside_a_segment_fail_the_relative_distance_check(leaks):
+  """The default T5 bias uses column offsets; an objective whose positions skip inside a segment is
+  told to set model.relative_distance=positions. The shipped MLM passes the same check."""
+  relative = ("--config.model.position=relative", "--config.objective.name=masked_lm")
+  assert _results("bert_tiny.py", *relative, family="encoder")["relative bias: columns = positions"].ok
+  by_check = _results("bert_tiny.py", *relative, f"--config.objective.name={leaks}:SkippingPositions",
+                      family="encoder")
+  result = by_check["relative bias: columns = positions"]
+  assert result.ok is False and "model.relative_distance=positions" in result.detail
+  assert by_check["padding changes nothing"].ok
 
 
 def test_an_objective_without_predictions_is_reported(leaks):

@@ -21,6 +21,8 @@ synthetic batch of packed documents, on the CPU:
 - the loss jit-compiles with static shapes and no host callback; the same key gives the same loss
   bitwise; different keys give different masks; the loss of a random model is near the objective's
   `initial_loss` (ln vocabulary for token prediction);
+- with T5 relative positions: the loss is the same with the bias from column offsets (the default,
+  model.relative_distance='columns') and from the objective's position ids;
 - mesh invariance: the loss is the same on 1 device and on 8 devices as a (2, 2, 2) mesh.
 
 It prints a table (check, result, the first offending row and position) and exits 1 on any failure.
@@ -317,6 +319,29 @@ def check_padding(s: Setup, predict: Callable) -> list[Result]:
                  f"{_where(int(source[bad[0]]), raw)}" if bad else "no prediction of a padding position")]
 
 
+def check_relative_distance(s: Setup) -> list[Result]:
+  """With T5 relative positions, the loss is the same whether the bias is computed from column
+  offsets (model.relative_distance='columns', the default: one bias per batch) or from the position
+  ids the objective gives the model: i.e. its positions advance by one inside every segment."""
+  fam, cfg = s.config.model.family, s.model.cfg
+  if cfg.position != "relative":
+    return []
+  extra, key = _extra(s), jax.random.key(6)
+  # bias tables of unit scale (a random init's 0.02 would hide a wrong geometry in rounding)
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, x: jax.random.normal(jax.random.key(7), x.shape, x.dtype)
+      if "relative_bias" in jax.tree_util.keystr(path) else x, s.params)
+  values = []
+  for distance in ("columns", "positions"):
+    model = s.model.clone(cfg=dataclasses.replace(cfg, relative_distance=distance))
+    values.append(float(jax.jit(lambda p, b: s.objective.loss(model, p, b, key, train=True, **extra)[0])(
+        params, s.batch)))
+  ok = abs(values[0] - values[1]) <= 1e-5 * max(abs(values[1]), 1.0)
+  detail = f"{values[0]:.7g} vs {values[1]:.7g}" + ("" if ok else (
+      ": the objective's positions skip inside a segment; set model.relative_distance=positions for it"))
+  return [Result(fam, "relative bias: columns = positions", ok, detail)]
+
+
 def check_mesh(config: ml_collections.ConfigDict, family: str, seed: int) -> Result:
   """The loss on one device equals the loss on a (2, 2, 2) mesh of 8 devices."""
   if jax.device_count() < _DEVICES:
@@ -365,7 +390,7 @@ def _check_family(config, cls, family: str, seed: int) -> list[Result]:
   frozen = {"frozen": s.frozen} if s.objective.frozen_inputs else {}
   predict = jax.jit(lambda p, b, k: s.objective.predictions(s.model, p, b, k, **frozen))
   return [*check_compiles(s), *check_keys_and_initial_loss(s, predict), *check_information_flow(s, predict),
-          *check_padding(s, predict), check_mesh(config, family, seed)]
+          *check_padding(s, predict), *check_relative_distance(s), check_mesh(config, family, seed)]
 
 
 def table(results: list[Result]) -> str:

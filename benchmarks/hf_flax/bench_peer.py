@@ -193,7 +193,7 @@ def run_one(model: str, size: str, reps: int, log) -> dict:
       state, metrics = jax.block_until_ready(tfx_c(state, batch, None))
       tfx_times.append(time.perf_counter() - start)
     start = time.perf_counter()
-    hf_state, hf_loss = jax.block_until_ready(hf_c(hf_state, batch))
+    hf_state, _ = jax.block_until_ready(hf_c(hf_state, batch))
     hf_times.append(time.perf_counter() - start)
 
   layers, d, heads, ff, seq, b, vocab = SIZES[size]
