@@ -213,6 +213,12 @@ def test_finetune_decoder_end_to_end(tmp_path, pretrained_decoder, monkeypatch):
   assert again == result and len(scored) == 1 and steps("test") == [16]
   with pytest.raises(finetune.UserError, match="other settings.*finetune.steps"):
     finetune.run(None, pretrained_decoder, "stdlib:package", workdir, overrides=[*SMOKE, "finetune.steps=20"])
+  # a fine-tune written before a model field existed (its config.json lacks it) is the same fine-tune
+  path = os.path.join(workdir, "config.json")
+  old = json.loads(open(path).read())
+  del old["model"]["scan_unroll"], old["finetune"]["log_every"]
+  open(path, "w").write(json.dumps(old))
+  assert finetune.run(None, pretrained_decoder, "stdlib:package", workdir, overrides=SMOKE) == result
 
 
 def test_finetune_resume_is_exact(tmp_path, pretrained_decoder, monkeypatch):

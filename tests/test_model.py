@@ -149,6 +149,22 @@ def test_scan_and_unrolled_agree():
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
+@pytest.mark.parametrize("unroll", [0, 2])
+def test_scan_unroll_keeps_parameters_and_function(unroll):
+  """model.scan_unroll unrolls the scanned loop (all layers, or 2 per iteration) without changing the
+  parameter tree (a checkpoint of either restores into the other) or the function."""
+  model_1, params = make_model("--config.model.num_layers=4")
+  model_u, params_u = make_model("--config.model.num_layers=4", f"--config.model.scan_unroll={unroll}")
+  assert jax.tree.structure(params) == jax.tree.structure(params_u)
+  assert [x.shape for x in jax.tree.leaves(params)] == [x.shape for x in jax.tree.leaves(params_u)]
+  rng = np.random.default_rng(4)
+  tokens, seg, pos = (jnp.asarray(a)[None] for a in packed_row(rng, [9, 7], 16))
+  loss = lambda model: lambda p: jnp.mean(model.apply({"params": p}, tokens, seg, pos) ** 2)
+  np.testing.assert_allclose(float(loss(model_1)(params)), float(loss(model_u)(params)), rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8), jax.grad(loss(model_1))(params),
+               jax.grad(loss(model_u))(params))
+
+
 RELATIVE_CASES = {
     "t5_span_corruption": ("t5_tiny.py", ()),
     "ul2_mixture": ("ul2_tiny.py", ()),

@@ -3,8 +3,9 @@
 A resume compares the new config with the run's WORKDIR/config.json (only when the run has a
 checkpoint: without one nothing can be misread). Changes fall in three kinds:
 
-  meaning   the checkpoint would mean something else: model.* (but model.attention and model.remat,
-            which compute the same function), objective.*, data.seq_len, train.batch_size,
+  meaning   the checkpoint would mean something else: model.* (but model.attention, model.remat,
+            model.scan_unroll and model.relative_distance, which compute the same function on
+            tfx's rows), objective.*, data.seq_len, train.batch_size,
             train.seed. Refused unless --config.train.allow_config_change=true.
   corpus    what the model reads: data.source, tokenizer, vocab_size, max_documents, text_field,
             eval_fraction, tokenizer_sample_bytes. Refused unless data.allow_changed_corpus
@@ -27,7 +28,7 @@ from tfx import config as config_lib
 from tfx.config import ConfigError
 from tfx.errors import DataError
 
-SAME_FUNCTION_MODEL_KEYS = ("model.attention", "model.remat")
+SAME_FUNCTION_MODEL_KEYS = ("model.attention", "model.remat", "model.scan_unroll", "model.relative_distance")
 MEANING_KEYS = ("data.seq_len", "train.batch_size", "train.seed")
 CORPUS_KEYS = ("data.source", "data.tokenizer", "data.vocab_size", "data.max_documents", "data.text_field",
                "data.eval_fraction", "data.tokenizer_sample_bytes")

@@ -257,9 +257,12 @@ def _check_workdir(workdir: str, cfg, task: Task) -> None:
     return
   old = config_lib.from_json(path.read_text())
   ignore = {"stop_after"}
-  changes = [f"finetune.{k}: {old.finetune.get(k)!r} -> {v!r}" for k, v in cfg.finetune.items()
-             if k not in ignore and old.get("finetune", {}).get(k) != (list(v) if isinstance(v, tuple) else v)]
-  changes += [f"model.{k}: {old.model.get(k)!r} -> {v!r}" for k, v in cfg.model.items() if old.model.get(k) != v]
+  # a key the old config lacks is a field added to tfx since the fine-tune started: its default applies
+  old_ft, old_model = old.get("finetune", {}), old.model
+  changes = [f"finetune.{k}: {old_ft.get(k)!r} -> {v!r}" for k, v in cfg.finetune.items()
+             if k not in ignore and k in old_ft and old_ft.get(k) != (list(v) if isinstance(v, tuple) else v)]
+  changes += [f"model.{k}: {old_model.get(k)!r} -> {v!r}" for k, v in cfg.model.items()
+              if k in old_model and old_model.get(k) != v]
   task_file = epath.Path(workdir) / "finetune_task.json"
   if task_file.exists() and json.loads(task_file.read_text())["labels"] != list(task.labels):
     changes.append("the task's labels")

@@ -109,6 +109,7 @@ class XLNet(Family):
           split_rngs={"params": True, "dropout": True},
           in_axes=(nn.broadcast if mems is None else 0,) + (nn.broadcast,) * len(shared),
           length=cfg.num_layers,
+          unroll=cfg.scan_unroll or cfg.num_layers,
           metadata_params={nn.PARTITION_NAME: "layers"},
       )
       (h, g), new_mems = scanned(cfg, not train, name="layers")((h, g), mems, *shared)  # new_mems [l, b, mem_len, e]

@@ -138,6 +138,7 @@ class Stack(nn.Module):
           split_rngs={"params": True, "dropout": True},
           in_axes=(nn.broadcast,) * (len(args) - 1),
           length=self.num_layers,
+          unroll=cfg.scan_unroll or self.num_layers,
           metadata_params={nn.PARTITION_NAME: "layers"},
       )
       x, _ = scanned(cfg, self.deterministic, self.decode, self.cross, name="layers")(*args)

@@ -53,6 +53,7 @@ class ModelConfig:
   attention_dropout: float = 0.0
   dtype: str = "float32"
   scan_layers: bool = True
+  scan_unroll: int = 1  # layers per iteration of the scanned loop (0 = all: unrolled, parameters still stacked)
   remat: str = "none"
   attention: str = "auto"
   init_std: float = 0.02
