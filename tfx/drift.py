@@ -26,6 +26,7 @@ from etils import epath
 
 from tfx import config as config_lib
 from tfx.config import ConfigError
+from tfx.data import store
 from tfx.errors import DataError
 
 SAME_FUNCTION_MODEL_KEYS = ("model.attention", "model.remat", "model.scan_unroll", "model.relative_distance")
@@ -115,7 +116,8 @@ def write_config(config, workdir, step: int | None = None) -> None:
   """WORKDIR/config.json, and config.<step>.json to keep the history (process 0)."""
   if jax.process_index() != 0:
     return
-  text = config_lib.to_json(config)
-  (epath.Path(workdir) / "config.json").write_text(text)
+  text = config_lib.to_json(config).encode()
+  # whole or not at all: a kill mid-write must not leave a torn config.json that blocks every resume
+  store.write_atomic(epath.Path(workdir) / "config.json", text)
   if step is not None:
-    (epath.Path(workdir) / f"config.{step}.json").write_text(text)
+    store.write_atomic(epath.Path(workdir) / f"config.{step}.json", text)

@@ -37,6 +37,7 @@ from typing import Any, Iterable
 import jax
 from etils import epath
 
+from tfx.data import store
 from tfx.errors import UserError
 
 # Keys that measure speed, not the model: logged under perf/.
@@ -269,7 +270,7 @@ class MetricsWriter:
     if not self.enabled:
       return
     if self.remote and self._dirty:
-      self.path.write_text(self._text)
+      self.path.write_text(self._text)  # a gs:// object is replaced whole
       self._dirty, self._flushed = False, time.time()
     if self._tb is not None:
       self._tb.flush()
@@ -317,8 +318,8 @@ class MetricsWriter:
     text = self.path.read_text()
     records = parse_records(text, str(self.path))
     kept = "".join(json.dumps(r) + "\n" for r in records if r["step"] <= step)
-    if kept != text:
-      self.path.write_text(kept)
+    if kept != text:  # a whole file or the old one: a kill mid-rewrite must not lose the kept records
+      store.write_atomic(self.path, kept.encode())
     self._text = None  # gs://: read again on the next record
 
 

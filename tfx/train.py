@@ -28,6 +28,7 @@ import ml_collections
 import numpy as np
 
 from tfx import checkpoint, config as config_lib, drift, flops, gcs, parallel
+from tfx.data import store
 from tfx.data.training import corpus_changes, training_data
 from tfx.errors import DataError, UserError, explain
 from tfx.guard import REWIND, Guard, NonFiniteError
@@ -145,7 +146,7 @@ def _record_objective_source(exp: Experiment, writer: MetricsWriter, progress) -
                     f"sha256 {str(before.get('sha256'))[:12]} -> {now['file']} sha256 {str(now['sha256'])[:12]}); "
                     f"resuming with the new code")
       writer.event(0, "objective_changed", before=before, now=now)
-  path.write_text(json.dumps(now, indent=2))
+  store.write_atomic(path, json.dumps(now, indent=2).encode())
 
 
 def _restore_data_position(exp: Experiment, data_state: dict, writer: MetricsWriter, step: int, progress) -> None:
