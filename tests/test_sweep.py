@@ -147,3 +147,20 @@ def test_every_study_plans_at_both_sizes(study, tmp_path):
       per = {"tokens": lambda r: r.tokens_per_step, "flops": lambda r: r.flops_per_step}[s.match]
       for r in runs:
         assert abs(r.steps * per(r) - s.budget) <= per(r) / 2 + 1e-6 * s.budget, (r.arm, r.steps)
+
+
+def test_a_preempted_run_stops_the_whole_sweep(tmp_path, shared_tokenizer, monkeypatch, capsys):
+  """A run that comes back interrupted (SIGTERM: it saved a checkpoint and stopped) ends the sweep
+  there: the next runs do not start and no report is written; the same command resumes."""
+  sweep_file = _write(tmp_path, shared_tokenizer)
+  started = []
+
+  def fake_execute(run):
+    started.append(run.key)
+    return {"status": "interrupted", "step": 3}
+
+  monkeypatch.setattr(sweep, "execute", fake_execute)
+  sweep.main([sweep_file, "--workdir", str(tmp_path / "w")])
+  assert started == ["causal/0"]
+  assert "the sweep stops here: run the same command to resume" in capsys.readouterr().out
+  assert not os.path.exists(tmp_path / "w" / "results.md")

@@ -375,7 +375,11 @@ def main(argv: list[str] | None = None) -> None:
       else:
         for i, run in enumerate(pending):
           print(f"tfx.sweep: [{i + 1}/{len(pending)}] {run.key} -> {run.directory}", flush=True)
-          execute(run)
+          result = execute(run)
+          if result.get("status") == "interrupted":  # SIGTERM (a preemption): the whole sweep stops
+            print(f"tfx.sweep: {run.key} stopped at step {result.get('step')} (checkpoint saved); the sweep stops "
+                  f"here: run the same command to resume", flush=True)
+            return
     if not args.no_report:
       paths = sweep_report.write_report(sweep, runs, args.workdir)
       print(f"tfx.sweep: report {', '.join(paths)}")
