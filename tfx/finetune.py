@@ -435,11 +435,15 @@ def _guard(config, writer: MetricsWriter, progress: Progress, latest: int | None
   """The pretraining run's non-finite policy for the fine-tune: `skip` drops such steps (inside the
   jitted step), `stop` and `rewind` stop with one line (a fine-tune is short: run it again with a
   lower finetune.learning_rate). Nothing after the last finite checkpoint is saved."""
-  skip = config.train.get("on_nonfinite", "stop") == "skip"
-  guard = Guard(config.train, writer, progress, policy="skip" if skip else "stop",
+  t = config.train  # (a run older than the guard lacks its keys: their defaults)
+  skip = t.get("on_nonfinite", "stop") == "skip"
+  # spike_factor 0: a fine-tune's loss falls fast, a running median says little
+  settings = ml_collections.ConfigDict({"on_nonfinite": "skip" if skip else "stop", "spike_factor": 0.0,
+                                        "max_skipped": t.get("max_skipped", 10), "poison_step": 0})
+  guard = Guard(settings, writer, progress,
                 advice="Lower finetune.learning_rate (or raise finetune.warmup_steps) and run the same command "
                        "to resume from the last good checkpoint")
-  guard.good_checkpoint, guard.spike_factor = latest, 0.0  # a fine-tune's loss falls fast: no spike warnings
+  guard.good_checkpoint = latest
   return guard
 
 
