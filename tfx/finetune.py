@@ -379,9 +379,7 @@ def run(config: ml_collections.ConfigDict | None, from_workdir: str | None, task
     every = ft.checkpoint_every
     save_due = bool((every and step % every == 0) or (not every and evaluated) or step >= ft.steps)
     if log_due or save_due or evaluated:  # non-finite steps: stop (or skip) before anything is kept
-      fresh, pending = jax.device_get(pending), []
-      guard.check(fresh, step)
-      host += fresh
+      host, pending = _read_checked(guard, host, pending, step), []
     if log_due:
       finite = [m for m in host if not m["nonfinite"]] or host
       values = {k: float(np.mean([m[k] for m in finite])) for k in host[0] if k != "nonfinite"}
@@ -409,9 +407,7 @@ def run(config: ml_collections.ConfigDict | None, from_workdir: str | None, task
     stopping = bool(ft.stop_after and step - start_step >= ft.stop_after) or preempt.should_stop()
     if save_due or book["done"] or stopping:
       if pending:  # stopping between reads
-        fresh, pending = jax.device_get(pending), []
-        guard.check(fresh, step)
-        host += fresh
+        host, pending = _read_checked(guard, host, pending, step), []
       checkpoint.save(mngr, step, {"train": state, "best": best}, json.loads(json.dumps(book)))  # a snapshot
       guard.saved(step)
       writer.flush()
@@ -429,6 +425,13 @@ def run(config: ml_collections.ConfigDict | None, from_workdir: str | None, task
   writer.close()
   _print_result(result, progress)
   return result
+
+
+def _read_checked(guard: Guard, host: list[dict], pending: list, step: int) -> list[dict]:
+  """`host` plus the metrics of the steps in `pending` (one transfer), after the guard passed them."""
+  fresh = jax.device_get(pending)
+  guard.check(fresh, step)
+  return host + fresh
 
 
 def _guard(config, writer: MetricsWriter, progress: Progress, latest: int | None) -> Guard:

@@ -473,9 +473,9 @@ class DataPipeline:
       raise ValueError(f"eval with memory (train.eval_memory) needs {forward} held-out streams of at least "
                        f"{self.row_length} tokens ({forward * self.row_length} in all); the held-out split has "
                        f"{len(flat)}: raise data.eval_fraction or lower train.batch_size")
-    rows = pack_streams(flat[:forward * ((count - 1) * self.stride + self.row_length)],
-                        doc_starts[:forward * ((count - 1) * self.stride + self.row_length)], self.row_length,
-                        forward, self.stride, reversed_copies=self.reversed_streams)
+    used = forward * ((count - 1) * self.stride + self.row_length)  # exactly `count` rows per stream
+    rows = pack_streams(flat[:used], doc_starts[:used], self.row_length, forward, self.stride,
+                        reversed_copies=self.reversed_streams)
     self.eval_note = (f"eval on {count} of {self.num_eval_batches} batches of held-out streams (the held-out split "
                       f"is too small for more)" if count < self.num_eval_batches else "")
     order = np.arange(self.global_batch)[None, :] * count + np.arange(count)[:, None]  # [count, global_batch]
