@@ -1,5 +1,8 @@
 """Errors a user can act on. Entry points print their message (no traceback) and exit 1."""
 
+import os
+import sys
+
 
 class UserError(ValueError):
   """Something in the config, the data or the workdir that the user must fix; the message says how."""
@@ -47,3 +50,49 @@ def explain(error: BaseException, workdir: str = "") -> str:
   first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
   return (f"internal error: {type(error).__name__}: {first} (this is a bug in tfx; run again with --debug for "
           f"the traceback and report it)")
+
+
+def _closed_loop_callback(unraisable) -> bool:
+  """A tensorstore write finishing after orbax closed the asyncio loop of a failed async save: its
+  completion callback calls `loop.call_soon_threadsafe` on the closed loop, and CPython reports that
+  as an unraisable 'RuntimeError: Event loop is closed' traceback (several per failed save, printed
+  while the run shuts down). The save's own error has already been raised and is explained."""
+  error = unraisable.exc_value
+  return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+
+
+def quiet_closed_loop_callbacks() -> None:
+  """For the command line without --debug: drops the unraisable tracebacks of `_closed_loop_callback`
+  (a full disk under an async save printed dozens of them before the one-line message); every other
+  unraisable error goes to Python's default hook as before."""
+  default = sys.__unraisablehook__
+
+  def hook(unraisable):
+    if not _closed_loop_callback(unraisable):
+      default(unraisable)
+
+  sys.unraisablehook = hook
+
+
+def quiet_background(debug: bool) -> None:
+  """An entry point's set-up without --debug: orbax logs a failed background save with its traceback
+  and tensorstore's callbacks print theirs (the error itself is explained in one line instead)."""
+  if debug:
+    return
+  from absl import logging as absl_logging
+
+  absl_logging.set_verbosity(absl_logging.FATAL)
+  quiet_closed_loop_callbacks()
+
+
+def exit_with(prog: str, error: BaseException, workdir: str, command_line: bool) -> None:
+  """Exits 1 with `error` explained in one line. On the command line the line is printed and stderr
+  closed after it (orbax's background threads may still print while the interpreter shuts down);
+  called from Python (`main(argv)`), it is SystemExit's message."""
+  message = f"{prog}: {explain(error, workdir)}"
+  if not command_line:
+    sys.exit(message)
+  print(message, file=sys.stderr, flush=True)
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 2)
+  sys.exit(1)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import time
 from typing import Any, Sequence
 
@@ -49,7 +48,7 @@ from etils import epath
 
 from tfx import checkpoint, config as config_lib, parallel, train
 from tfx.data import store
-from tfx.errors import UserError
+from tfx.errors import UserError, exit_with, quiet_background
 from tfx.guard import Guard
 from tfx.metrics import MetricsWriter, Progress, read_metrics
 from tfx.models import build_classifier, build_model
@@ -519,7 +518,9 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--workdir", required=True, help="the fine-tune's directory (resumed if it has checkpoints)")
   parser.add_argument("--config", default=None, help="a config file whose finetune / mesh / log sections to use "
                       "(with --from none: also the architecture and data)")
+  parser.add_argument("--debug", action="store_true", help="show the traceback of an error (instead of one line)")
   args, overrides = parser.parse_known_args(argv)
+  quiet_background(args.debug)
   parallel.initialize_distributed()
   try:
     from_workdir = None if args.from_workdir.lower() == "none" else args.from_workdir
@@ -527,8 +528,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.config:
       config = config_lib.load_config(args.config, [o for o in overrides if not from_workdir])
     run(config, from_workdir, args.task, args.workdir, overrides=overrides if from_workdir else ())
-  except UserError as e:
-    sys.exit(f"tfx.finetune: {e}")
+  except Exception as e:  # noqa: BLE001  (one line for every error; --debug shows the traceback)
+    if args.debug:
+      raise
+    exit_with("tfx.finetune", e, args.workdir, command_line=argv is None)
 
 
 if __name__ == "__main__":

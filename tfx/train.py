@@ -30,7 +30,7 @@ import numpy as np
 from tfx import checkpoint, config as config_lib, drift, flops, gcs, parallel
 from tfx.data import store
 from tfx.data.training import corpus_changes, training_data
-from tfx.errors import DataError, UserError, explain
+from tfx.errors import DataError, UserError, exit_with, quiet_background
 from tfx.guard import REWIND, Guard, NonFiniteError
 from tfx.lock import WorkdirLock
 from tfx.metrics import MetricsWriter, Progress
@@ -369,10 +369,7 @@ def main(argv: list[str] | None = None) -> None:
     return
   if not args.config or not args.workdir:
     parser.error("--config and --workdir are required")
-  if not args.debug:  # orbax logs a failed background save with its traceback; the error is explained below
-    from absl import logging as absl_logging
-
-    absl_logging.set_verbosity(absl_logging.FATAL)
+  quiet_background(args.debug)
   parallel.initialize_distributed()
   try:
     config = config_lib.load_config(args.config, overrides)
@@ -384,19 +381,7 @@ def main(argv: list[str] | None = None) -> None:
   except Exception as e:  # noqa: BLE001  (one line for every error; --debug shows the traceback)
     if args.debug:
       raise
-    message = f"tfx.train: {explain(e, args.workdir)}"
-    if argv is None:  # the command line: orbax's background threads may still print at interpreter exit
-      print(message, file=sys.stderr, flush=True)
-      _quiet_exit(1)
-    sys.exit(message)
-
-
-def _quiet_exit(code: int) -> None:
-  """Exits after the one-line message with stderr closed: a failed async save leaves threads that
-  print 'Event loop is closed' tracebacks while the interpreter shuts down."""
-  devnull = os.open(os.devnull, os.O_WRONLY)
-  os.dup2(devnull, 2)
-  sys.exit(code)
+    exit_with("tfx.train", e, args.workdir, command_line=argv is None)
 
 
 if __name__ == "__main__":
