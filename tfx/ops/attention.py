@@ -11,6 +11,7 @@ no allowed key would silently softmax to the mean of V (a leak); `assert_rows_at
 the `guard` of `dot_product_attention` make that an error or exact zeros.
 """
 
+import functools
 import logging
 from typing import Literal
 
@@ -113,6 +114,88 @@ def reference_attention(q, k, v, *, mask=None, bias=None, scale=None):
   return out.reshape(b, t, h, d)
 
 
+def _grouped(x: jax.Array | None, kv_heads: int) -> jax.Array | None:
+  """A mask or bias [b|1, h|1, t, s] as [b|1, k|1, g|1, t, s] for grouped-query heads."""
+  if x is None or x.shape[1] == 1:
+    return None if x is None else x[:, :, None]
+  return x.reshape(x.shape[0], kv_heads, x.shape[1] // kv_heads, *x.shape[2:])
+
+
+def _scores(q, k, mask, bias, scale):
+  """Masked scores [b, k, g, t, s] (float32), the scale applied to q in float32 (t*d products,
+  not t*s) and in float32 after the matmul otherwise."""
+  b, t, h, d = q.shape
+  kh = k.shape[2]
+  if q.dtype == jnp.float32:
+    q = q * jnp.float32(scale)
+  qg = q.reshape(b, t, kh, h // kh, d)  # [b, t, k, g, d]
+  s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+  if q.dtype != jnp.float32:
+    s = s * jnp.float32(scale)
+  if bias is not None:
+    s = s + _grouped(bias, kh).astype(jnp.float32)
+  if mask is not None:
+    s = jnp.where(_grouped(mask, kh), s, MASK_VALUE)
+  return s
+
+
+def _softmax_attention_fwd(q, k, v, mask, bias, scale):
+  """Returns (out [b, t, h, d], residuals). The softmax is left unnormalised, [b, k, g, t, s], and
+  its row sums divide the output [b, t, h, d] instead (d values per row rather than s)."""
+  b, t, h, d = q.shape
+  s = _scores(q, k, mask, bias, scale)  # [b, k, g, t, s]
+  top = jnp.max(s, axis=-1, keepdims=True)  # [b, k, g, t, 1]
+  # Unnormalised probabilities; a row with no allowed key (its max is the mask value) gets none,
+  # so its output and every gradient through it are exactly zero (no mean of V).
+  p = jnp.where(top > 0.5 * MASK_VALUE, jnp.exp(s - top), 0.0)
+  total = jnp.sum(p, axis=-1)  # [b, k, g, t]: 0 for such a row, else >= 1 (the max gives exp(0))
+  inv_l = jnp.where(total > 0.0, 1.0 / jnp.maximum(total, 1.0), 0.0)
+  out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  out = out * jnp.moveaxis(inv_l, 3, 1)[..., None]  # [b, t, k, g, d]
+  return out.reshape(b, t, h, d).astype(q.dtype), (q, k, v, bias, p, inv_l, out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def softmax_attention(q, k, v, mask, bias, scale):
+  """Einsum attention for XLA (CPU, TPU, and GPU when cuDNN does not apply), with a hand-written
+  backward pass. The same function as `reference_attention` (tests compare values and gradients)
+  with fewer passes over the [b, k, g, t, s] scores and one [b, k, g, t, s] residual (the
+  unnormalised probabilities) instead of autodiff's several: the forward pass divides the output
+  by the row sums instead of normalising the probabilities; the backward pass takes the softmax
+  term from rowsum(dO * O) over d (as flash attention does) instead of rowsum(dP * P) over s, and
+  folds 1 / rowsum into dO once. A query row with no allowed key gets exact zeros (output and
+  gradients), never the mean of V.
+
+  Args: as `reference_attention` (mask bool, bias float, both [b|1, h|1, t, s] or None); scale a
+  Python float. Returns [b, t, h, d] in q's dtype.
+  """
+  return _softmax_attention_fwd(q, k, v, mask, bias, scale)[0]
+
+
+def _softmax_attention_bwd(scale, residuals, d_out):
+  q, k, v, bias, p, inv_l, out = residuals  # no mask: p is exactly 0 wherever it is False
+  b, t, h, d = q.shape
+  kh = k.shape[2]
+  # dS = P * (dP - rowsum(dO * O)) with P = p / l: fold 1/l into dO once ([b, t, k, g, d]).
+  d_out = d_out.reshape(b, t, kh, h // kh, d).astype(jnp.float32) * jnp.moveaxis(inv_l, 3, 1)[..., None]
+  d_v = jnp.einsum("bkgts,btkgd->bskd", p.astype(v.dtype), d_out.astype(v.dtype), preferred_element_type=jnp.float32)
+  d_p = jnp.einsum("btkgd,bskd->bkgts", d_out.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  row = jnp.moveaxis(jnp.sum(d_out * out, axis=-1), 1, 3)  # [b, k, g, t]
+  d_s = p * (d_p - row[..., None])  # [b, k, g, t, s]; 0 wherever the mask is False (p is 0 there)
+  d_bias = None
+  if bias is not None:
+    d_bias = d_s.reshape(b, h, t, -1)
+    d_bias = jnp.sum(d_bias, axis=tuple(i for i in (0, 1) if bias.shape[i] == 1), keepdims=True).astype(bias.dtype)
+  d_s = d_s.astype(q.dtype) if q.dtype != jnp.float32 else d_s
+  d_q = jnp.einsum("bkgts,bskd->btkgd", d_s, k, preferred_element_type=jnp.float32).reshape(b, t, h, d) * scale
+  qg = q.reshape(b, t, kh, h // kh, d)
+  d_k = jnp.einsum("bkgts,btkgd->bskd", d_s, qg, preferred_element_type=jnp.float32) * scale
+  return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None, d_bias
+
+
+softmax_attention.defvjp(_softmax_attention_fwd, _softmax_attention_bwd)
+
+
 def _on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
@@ -169,7 +252,8 @@ def dot_product_attention(
       kernel chosen is logged once, on the `tfx.attention` logger, with the reason).
     guard: zero the output of query rows that have no allowed key, instead of the mean of V
       that the softmax over a fully masked row would give. Such rows are padding queries
-      (their loss weight is 0); the guard makes sure nothing leaks through them.
+      (their loss weight is 0); the guard makes sure nothing leaks through them. The XLA path
+      (`softmax_attention`) always gives them zeros.
   Returns:
     [b, t, h, d] in q's dtype.
   """
@@ -181,15 +265,17 @@ def dot_product_attention(
     s = k.shape[1]
     if mask is not None:
       mask = jnp.broadcast_to(mask, (mask.shape[0], mask.shape[1], t, s))
-    try:
-      out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale, implementation=impl)
-    except Exception as e:  # noqa: BLE001  (cuDNN refuses a shape / layout / version at trace time)
-      if impl != "cudnn":
-        raise
-      impl, why = "xla", f"cuDNN refused: {str(e).splitlines()[0][:120]}"
-      out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale, implementation="xla")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out = None
+    if impl == "cudnn":
+      try:
+        out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale, implementation="cudnn")
+      except Exception as e:  # noqa: BLE001  (cuDNN refuses a shape / layout / version at trace time)
+        impl, why = "xla", f"cuDNN refused: {str(e).splitlines()[0][:120]}"
+    if out is None:
+      out = softmax_attention(q, k, v, mask, bias, float(scale))
   _log_choice(impl, why)
-  if guard and mask is not None:
+  if guard and mask is not None and impl != "xla":  # softmax_attention zeroes such rows itself
     ok = rows_attend(mask)  # [b|1, h|1, t]
     ok = jnp.moveaxis(ok, 1, 2)[..., None]  # [b|1, t, h|1, 1]
     out = jnp.where(ok, out, jnp.zeros((), out.dtype))
