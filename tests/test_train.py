@@ -121,7 +121,15 @@ def test_gradient_accumulation_matches_one_batch(tmp_path, shared_tokenizer):
   la = [r["loss"] for r in read_metrics(str(tmp_path / "a")) if r["split"] == "train"]
   lb = [r["loss"] for r in read_metrics(str(tmp_path / "b")) if r["split"] == "train"]
   np.testing.assert_allclose(la, lb, rtol=1e-5)
-  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6), params_of(one), params_of(two))
+  for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(params_of(one))[0], jax.tree.leaves(params_of(two))):
+    name = jax.tree_util.keystr(path)
+    if "'key'" in name and "'bias'" in name:
+      # The key projection's bias has a zero gradient in exact arithmetic (it adds the same q.b to
+      # every score of a row, and the softmax does not see that): Adam moves it by rounding noise
+      # only, which the two summation orders make differently. It must stay at noise level.
+      assert np.max(np.abs(x)) < 1e-5 and np.max(np.abs(y)) < 1e-5, name
+    else:
+      np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6, err_msg=name)
 
 
 def test_corrupt_checkpoint_message(tmp_path, shared_tokenizer):
