@@ -159,3 +159,51 @@ def test_sweep_over_remat_policies_same_loss():
   assert all(r["temp_memory_bytes"] > 0 for r in results)
   table = bench.format_sweep(results).splitlines()
   assert table[0].split()[:3] == ["model.remat", "compile", "s"] and len(table) == 3
+
+
+def test_data_only_part_is_what_does_not_touch_the_parameters():
+  """The accelerator suite times an objective's own work as the loss's equations that read the
+  batch and the key but no parameter: here a masking transform and a mask, beside a model."""
+  from tfx import bench_suite
+
+  def loss(model_args, data_args):
+    (w,) = model_args
+    tokens, key = data_args
+    keep = jax.random.bernoulli(key, 0.85, tokens.shape)  # the objective: masking
+    inputs = jax.numpy.where(keep, tokens, 0)
+    visible = (tokens[:, :, None] >= tokens[:, None, :]).astype(jax.numpy.float32)  # a mask from the batch
+    h = jax.numpy.take(w, inputs, axis=0)  # [b, t, e]: the model from here on
+    return jax.numpy.sum(jax.numpy.einsum("bts,bse->bte", visible, h) * w[0])
+
+  tokens = jax.numpy.asarray(np.random.default_rng(0).integers(1, 50, (2, 8)), jax.numpy.int32)
+  key = jax.random.key(3)
+  w = jax.numpy.ones((50, 4))
+  part, n_eqns = bench_suite.data_only_part(loss, (w,), (tokens, key))
+  outs = jax.jit(part)((tokens, key))
+  want_inputs = np.where(np.asarray(jax.random.bernoulli(key, 0.85, tokens.shape)), np.asarray(tokens), 0)
+  want_visible = (np.asarray(tokens)[:, :, None] >= np.asarray(tokens)[:, None, :]).astype(np.float32)
+  got = sorted((np.asarray(o) for o in outs), key=lambda a: a.ndim)
+  assert len(got) == 2 and n_eqns >= 4
+  np.testing.assert_array_equal(got[0], want_inputs)
+  np.testing.assert_array_equal(got[1], want_visible)
+
+
+@pytest.mark.slow
+def test_accelerator_suite_runs_tiny_on_cpu(tmp_path, capsys):
+  """`tfx.bench --suite accel --tiny`: the four reference models in bf16 and GPT-2's compile time by
+  depth, on this CPU (its numbers say nothing about speed; this checks that the suite runs and
+  reports every column). XLNet's carried memory keeps its float32 dtype under bf16 compute (the
+  AOT-compiled step refuses a state whose dtype changed)."""
+  path = tmp_path / "suite.json"
+  bench.main(["--suite", "accel", "--tiny", "--steps", "1", "--warmup", "1", "--json", str(path)])
+  out = json.loads(path.read_text())
+  assert [r["name"] for r in out["models"]] == ["gpt2_small", "bert_base", "t5_base", "xlnet_base"]
+  for r in out["models"]:
+    assert r["step_s"] > 0 and np.isfinite(r["loss"]) and r["mfu"] is None, r["name"]
+    assert r["transform_ms"] > 0 and r["transform_equations"] > 0 and 0 < r["transform_share"], r["name"]
+    assert r["batch_size"] == 2 * jax.device_count() and r["temp_memory_bytes"] > 0
+  assert sorted(int(k) for k in out["compile_layers"]) == [2, 8]
+  table = capsys.readouterr().out
+  assert "objective share" in table and "gpt2_small compile: 2 layers" in table
+  with pytest.raises(SystemExit, match="unknown model"):
+    bench.main(["--suite", "accel", "--tiny", "--only", "gpt3"])

@@ -2,6 +2,7 @@
 
     python -m tfx.bench --config configs/base.py [--config.k=v ...] [--steps 10 --warmup 2 --json out.json]
     python -m tfx.bench --config configs/base.py --sweep model.remat=none,full,dots_saveable
+    python -m tfx.bench --suite accel [--tiny] [--batch ROWS_PER_DEVICE] [--only gpt2_small,...]
 
 The model, objective, optimizer, sharded state and jitted train step are built exactly as
 `tfx.train` builds them; only the data is synthetic (random token rows of the objective's raw
@@ -115,13 +116,15 @@ def build_experiment(config: ml_collections.ConfigDict):
                     mesh=mesh, tx=tx, schedule=schedule)
 
 
-def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 2) -> dict[str, Any]:
+def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 2, extra=None) -> dict[str, Any]:
   """Builds the train step of `config` as training does and times it on synthetic data.
 
   Args:
     config: a loaded config (validated here).
     steps: timed steps (after warmup); at least 1.
     warmup: untimed steps after the compiling first call.
+    extra: optional `extra(exp, state, batch, frozen) -> dict`, called after the timed steps; its
+      entries are added to the result (the accelerator suite times the objective's part with it).
   Returns:
     a dict of plain numbers and strings (see the module docstring); `mfu` is None on devices
     of unknown peak (CPU), `peak_memory_bytes` None where the backend does not report it.
@@ -157,6 +160,7 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
     state, metrics = jax.block_until_ready(train_step(state, batch))
     times.append(time.perf_counter() - start)
 
+  more = extra(exp, state, batch, frozen) if extra is not None else {}
   step_s = statistics.median(times)
   per_row = exp.objective.train_flops_per_row(exp.model.cfg, seq_len)
   per_token = per_row / seq_len  # per model position
@@ -186,6 +190,7 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
       "peak_memory_bytes": peak_memory_bytes(),
       "temp_memory_bytes": int(memory.temp_size_in_bytes) if memory is not None else None,
       "loss": float(jax.device_get(metrics["loss"])),
+      **more,
   }
 
 
@@ -238,7 +243,14 @@ def format_sweep(results: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(prog="python -m tfx.bench", description=__doc__.split("\n")[0])
-  parser.add_argument("--config", required=True, help="config file, e.g. configs/base.py")
+  parser.add_argument("--config", default=None, help="config file, e.g. configs/base.py")
+  parser.add_argument("--suite", choices=["accel"], default=None,
+                      help="accel: GPT-2-small, BERT-base, T5-base and XLNet-base in bf16 on whatever device is "
+                           "here (tfx/bench_suite.py)")
+  parser.add_argument("--tiny", action="store_true", help="with --suite: toy sizes (runs on a CPU in minutes)")
+  parser.add_argument("--batch", type=int, default=None,
+                      help="with --suite: rows per device (default: the largest that fits, doubling from 4)")
+  parser.add_argument("--only", default="", help="with --suite: comma-separated model names (gpt2_small, ...)")
   parser.add_argument("--steps", type=int, default=10, help="timed steps")
   parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the compiling call")
   parser.add_argument("--json", default=None, help="also write the results as JSON to this path (local or gs://)")
@@ -246,6 +258,11 @@ def main(argv: list[str] | None = None) -> None:
                       help="benchmark once per value of one config field, e.g. model.remat=none,full,dots_saveable")
   args, overrides = parser.parse_known_args(argv)
   parallel.initialize_distributed()
+  if args.suite:
+    suite_main(args, overrides)
+    return
+  if not args.config:
+    parser.error("--config is required (or --suite accel)")
   try:
     config = config_lib.load_config(args.config, overrides)
     from tfx import gcs
@@ -267,6 +284,38 @@ def main(argv: list[str] | None = None) -> None:
       from etils import epath
 
       epath.Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+def suite_main(args, overrides: list[str]) -> None:
+  """`--suite accel`: the four reference models (tfx/bench_suite.py), a table and optional JSON."""
+  import os
+
+  from tfx import bench_suite, gcs
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    if overrides:
+      raise UserError(f"--suite takes no config overrides (got {' '.join(overrides)}); use --config for one config")
+    if not os.path.isdir(os.path.join(root, "configs")):
+      raise UserError(f"the suite reads the repository's configs/, not found next to {root}/tfx")
+    names = tuple(n for n in args.only.split(",") if n)
+    unknown = sorted(set(names) - {e.name for e in bench_suite.SUITE})
+    if unknown:
+      raise UserError(f"--only: unknown model(s) {', '.join(unknown)}; choose from "
+                      f"{', '.join(e.name for e in bench_suite.SUITE)}")
+    if args.batch is not None and args.batch < 1:
+      raise UserError(f"--batch must be at least 1 (got {args.batch})")
+    gcs.preflight(args.json)
+    out = bench_suite.run_suite(root, tiny=args.tiny, steps=args.steps, warmup=args.warmup,
+                                batch_per_device=args.batch, only=names)
+  except UserError as e:
+    sys.exit(f"tfx.bench: {e}")
+  if jax.process_index() == 0:
+    print(bench_suite.format_suite(out))
+    if args.json:
+      from etils import epath
+
+      epath.Path(args.json).write_text(json.dumps(out, indent=2, default=str))
 
 
 if __name__ == "__main__":

@@ -287,7 +287,7 @@ class PermutationLM(Objective):
     logits, new_mems = self.logits_on_features(model, params, x, rng, train=train, mems=mems, bi_sign=bi_sign)
     loss, metrics = ops.weighted_cross_entropy(logits, x["target_ids"], x["target_mask"], z_loss=self.z_loss)
     if mems is not None:
-      metrics = dict(metrics, state=new_mems)
+      metrics = dict(metrics, state=new_mems.astype(mems.dtype))  # bf16 compute: the carried memory stays float32
     return loss, metrics
 
   def logits_on_features(self, model, params, x: dict[str, jax.Array], rng: jax.Array, *, train: bool, mems=None,
