@@ -65,7 +65,6 @@ def test_fully_masked_rows_are_zero_not_mean_of_values():
   ops.assert_rows_attend(mask, query_valid=jnp.asarray(seg > 0))  # padding rows are exempt
 
 
-
 @pytest.mark.parametrize("case", ["packed_gqa", "bias_per_head", "bias_per_row_cross", "prefix_lm", "bf16"])
 def test_xla_attention_gradients_match_autodiff_reference(case):
   """The XLA path's hand-written backward pass (`softmax_attention`) against autodiff through the

@@ -43,6 +43,8 @@ COMPILE_EVENTS = (
     "/jax/core/compile/backend_compile_duration",
 )
 NUM_SENTINELS = 100
+# The arrays of a synthetic batch, each [batch, row length] int32 (`synthetic_batch`).
+BATCH_KEYS = ("tokens", "segment_ids", "positions")
 
 
 def synthetic_ids(vocab_size: int) -> SpecialIds:

@@ -102,14 +102,13 @@ def data_only_part(fn: Callable, model_args, data_args) -> tuple[Callable, int]:
 
 def time_objective_part(exp, state, batch, frozen, *, steps: int) -> dict[str, Any]:
   """Median time of the loss's data-only part (see `data_only_part`) on `batch`, jitted alone."""
-  extra_of = lambda objective_state, frozen_inputs: (
-      ({"state": objective_state} if exp.objective.stateful else {})
-      | ({"frozen": frozen_inputs} if getattr(exp.objective, "frozen_inputs", False) else {}))
+  from tfx.steps import objective_kwargs
 
   def loss(model_args, data_args):
     params, objective_state, frozen_inputs = model_args
     b, rng = data_args
-    return exp.objective.loss(exp.model, params, b, rng, train=True, **extra_of(objective_state, frozen_inputs))[0]
+    extra = objective_kwargs(exp.objective, objective_state, frozen_inputs)
+    return exp.objective.loss(exp.model, params, b, rng, train=True, **extra)[0]
 
   rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
   with parallel.context(exp.mesh):
@@ -138,7 +137,7 @@ def _abstract_step(config):
   rows = jax.ShapeDtypeStruct((batch_size, exp.objective.raw_length(seq_len)), np.int32,
                               sharding=parallel.batch_sharding(exp.mesh))
   step = make_train_step(exp, shardings)
-  return exp, step.jitted, (abstract, {"tokens": rows, "segment_ids": rows, "positions": rows}, step.frozen)
+  return exp, step.jitted, (abstract, {key: rows for key in bench.BATCH_KEYS}, step.frozen)
 
 
 def compile_seconds(config) -> float:

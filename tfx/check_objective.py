@@ -160,10 +160,9 @@ def build(config: ml_collections.ConfigDict, family: str, seed: int = 0, devices
 
 def _extra(s: Setup) -> dict[str, Any]:
   """The keyword arguments of the objective's loss beyond (model, params, batch, rng, train)."""
-  extra = {"state": s.state} if s.objective.stateful else {}
-  if s.objective.frozen_inputs:
-    extra["frozen"] = s.frozen
-  return extra
+  from tfx.steps import objective_kwargs
+
+  return objective_kwargs(s.objective, s.state, s.frozen)
 
 
 def _loss_fn(s: Setup) -> Callable:

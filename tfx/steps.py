@@ -111,14 +111,21 @@ def objective_frozen(exp: Experiment):
   return exp.frozen, jax.tree.map(lambda x: x.sharding, exp.frozen)
 
 
+def objective_kwargs(objective, objective_state=None, frozen=None) -> dict:
+  """The keyword arguments `objective.loss` takes besides the batch: its carried state (stateful
+  objectives; None = start from an empty state) and its frozen inputs (objectives with a teacher)."""
+  extra = {"state": objective_state} if objective.stateful else {}
+  if getattr(objective, "frozen_inputs", False):
+    extra["frozen"] = frozen
+  return extra
+
+
 def _loss_and_grads(exp: Experiment, params, batch, rng, objective_state=None, frozen=None):
   """Mean loss and its gradient, accumulated exactly over `train.grad_accum` micro-batches.
 
   Returns (metrics, grads, next objective state).
   """
-  extra = {"state": objective_state} if exp.objective.stateful else {}
-  if getattr(exp.objective, "frozen_inputs", False):
-    extra["frozen"] = frozen
+  extra = objective_kwargs(exp.objective, objective_state, frozen)
   loss_fn = lambda p, b, r: exp.objective.loss(exp.model, p, b, r, train=True, **extra)
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   accum = exp.config.train.grad_accum
@@ -208,9 +215,7 @@ def make_eval_step(exp: Experiment, shardings):
   carry = bool(exp.objective.stateful and exp.config.get("train", {}).get("eval_memory", False))
 
   def eval_fn(params, batch, frozen, state=None):
-    extra = {"state": state} if exp.objective.stateful else {}  # None: eval starts from an empty state
-    if getattr(exp.objective, "frozen_inputs", False):
-      extra["frozen"] = frozen
+    extra = objective_kwargs(exp.objective, state, frozen)  # state None: eval starts from an empty state
     _, metrics = exp.objective.loss(exp.model, params, batch, jax.random.key(0), train=False, **extra)
     out = {k: v for k, v in metrics.items() if k != "state"}
     return (out, metrics["state"]) if carry else out

@@ -116,8 +116,10 @@ def reference_attention(q, k, v, *, mask=None, bias=None, scale=None):
 
 def _grouped(x: jax.Array | None, kv_heads: int) -> jax.Array | None:
   """A mask or bias [b|1, h|1, t, s] as [b|1, k|1, g|1, t, s] for grouped-query heads."""
-  if x is None or x.shape[1] == 1:
-    return None if x is None else x[:, :, None]
+  if x is None:
+    return None
+  if x.shape[1] == 1:
+    return x[:, :, None]
   return x.reshape(x.shape[0], kv_heads, x.shape[1] // kv_heads, *x.shape[2:])
 
 
@@ -186,7 +188,7 @@ def _softmax_attention_bwd(scale, residuals, d_out):
   if bias is not None:
     d_bias = d_s.reshape(b, h, t, -1)
     d_bias = jnp.sum(d_bias, axis=tuple(i for i in (0, 1) if bias.shape[i] == 1), keepdims=True).astype(bias.dtype)
-  d_s = d_s.astype(q.dtype) if q.dtype != jnp.float32 else d_s
+  d_s = d_s.astype(q.dtype)  # the dQ / dK matmuls in the compute dtype
   d_q = jnp.einsum("bkgts,bskd->btkgd", d_s, k, preferred_element_type=jnp.float32).reshape(b, t, h, d) * scale
   qg = q.reshape(b, t, kh, h // kh, d)
   d_k = jnp.einsum("bkgts,btkgd->bskd", d_s, qg, preferred_element_type=jnp.float32) * scale
