@@ -12,7 +12,8 @@ import pytest
 from tests.conftest import ROOT, tiny_config
 from tfx import ops
 from tfx.objectives.base import SpecialIds
-from tfx.objectives.masked_lm import MaskedLM, mask_tokens, ordinary_ids, special_table
+from tfx.objectives.masked_lm import (MaskedLM, cap_selection, mask_tokens, ordinary_ids, prediction_slots,
+                                      selected_positions, special_table)
 from tfx.registry import OBJECTIVES
 
 IDS = SpecialIds(vocab_size=1000, pad=0, eos=1, unk=2, bos=3, mask=4, cls=5, sep=6,
@@ -181,6 +182,79 @@ def real_encoder(length: int = 64):
 
 HAS_ENCODER = os.path.exists(os.path.join(ROOT, "tfx", "models", "encoder.py"))
 MODELS = ["fake", pytest.param("real", marks=pytest.mark.skipif(not HAS_ENCODER, reason="no encoder family yet"))]
+
+
+def test_the_cap_keeps_the_smallest_draws_and_whole_words():
+  """cap_selection keeps at most `cap` per row, the eligible tokens with the smallest draws below
+  the rate (a numpy sort says which); tokens sharing a draw (a word) go in or out together."""
+  rng = np.random.default_rng(11)
+  u = rng.random((200, 40)).astype(np.float32)
+  eligible = rng.random((200, 40)) < 0.9
+  got = np.asarray(cap_selection(jnp.asarray(u), jnp.asarray(eligible), 0.5, 12))
+  uncapped = eligible & (u < 0.5)
+  assert (got.sum(1) <= 12).all() and (uncapped.sum(1) > 12).sum() > 50  # the cap binds in many rows
+  for r in range(len(u)):
+    order = np.argsort(np.where(uncapped[r], u[r], 2.0))[:min(12, uncapped[r].sum())]
+    np.testing.assert_array_equal(np.flatnonzero(got[r]), np.sort(order))
+  # Words: one draw per word of 1-4 tokens.
+  words = np.cumsum(rng.random((200, 40)) < 0.5, axis=1)
+  shared = np.take_along_axis(u, words % 40, axis=1)
+  got = np.asarray(cap_selection(jnp.asarray(shared), jnp.ones((200, 40), bool), 0.5, 12))
+  assert (got.sum(1) <= 12).all() and (got.sum(1) >= 8).mean() > 0.5
+  for r in range(len(u)):
+    for w in np.unique(words[r]):
+      assert got[r][words[r] == w].all() or not got[r][words[r] == w].any()
+  # The default cap: mean + 4 sd, a multiple of 8, never above the row; BERT-base's 512 -> 112.
+  assert prediction_slots(512, 0.15) == 112 and prediction_slots(128, 0.15) == 40
+  assert prediction_slots(8, 0.15) == 8 and prediction_slots(64, 1.0) == 64
+
+
+def test_whole_words_stay_whole_under_the_cap():
+  rng = np.random.default_rng(12)
+  word_start = rng.random(IDS.vocab_size) < 0.3
+  word_start[SPECIAL] = True
+  tokens, seg, _ = random_batch(rng, 32, 128, min_real=0.9)
+  _, _, weights = jax.jit(lambda k: mask_tokens(tokens, seg, k, ids=IDS, word_start=word_start, mask_rate=0.5,
+                                                max_selected=16))(jax.random.key(0))
+  selected = np.asarray(weights) > 0
+  assert (selected.sum(1) <= 16).all() and (selected.sum(1) >= 10).all()
+  _, starts, _ = numpy_word_ids(tokens, seg, word_start)
+  first = np.maximum.accumulate(np.where(starts, np.arange(tokens.shape[1]), 0), axis=1)
+  np.testing.assert_array_equal(selected, np.take_along_axis(selected, first, axis=1))
+
+
+@pytest.mark.parametrize("cap", [0, 12])
+def test_gathered_head_gives_the_dense_loss_and_gradients(cap):
+  """The loss with the MLM head on the gathered selected tokens is the loss with the head at
+  every position: value, accuracy, token count and every parameter's gradient; also where the
+  cap binds (max_predictions=12 at a 40% rate) and rows hold fewer selected tokens than slots."""
+  t = 48
+  model, params = real_encoder(t)
+  tokens, seg, pos = random_batch(np.random.default_rng(13), 6, t)
+  batch = {"tokens": jnp.asarray(tokens), "segment_ids": jnp.asarray(seg), "positions": jnp.asarray(pos)}
+  rng = jax.random.key(14)
+  results = []
+  for gather in (True, False):
+    objective = MaskedLM(IDS, mask_rate=0.4, max_predictions=cap, gather_predictions=gather)
+    assert (objective.gather_slots(model, t) is not None) == gather
+    f = jax.jit(jax.value_and_grad(lambda p: objective.loss(model, p, batch, rng, train=False), has_aux=True))
+    results.append(f(params))
+  (loss_g, m_g), g_g = results[0]
+  (loss_d, m_d), g_d = results[1]
+  weights = jax.jit(objective.mask)(batch, jax.random.split(rng)[0])[2]
+  counts = np.asarray(weights).sum(1)
+  slots = objective.prediction_slots(t)
+  assert counts.max() <= slots and counts.min() < slots and float(m_d["num_tokens"]) > 0
+  if cap:
+    assert counts.max() == cap
+  np.testing.assert_allclose(float(loss_g), float(loss_d), rtol=1e-6)
+  assert float(m_g["accuracy"]) == float(m_d["accuracy"]) and float(m_g["num_tokens"]) == float(m_d["num_tokens"])
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_g), jax.tree_util.tree_leaves(g_d)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+  # The gather's order: each row's selected positions first, in order.
+  where = np.asarray(selected_positions(weights, slots))
+  for r in range(len(counts)):
+    np.testing.assert_array_equal(where[r, :int(counts[r])], np.flatnonzero(np.asarray(weights)[r] > 0))
 
 
 def test_loss_is_invariant_to_padding():

@@ -76,7 +76,8 @@ def test_unknown_field_is_refused_with_the_valid_ones():
 def test_switching_objective_on_the_command_line_takes_its_fields_and_defaults():
   c = tiny_config("--config.objective.mask_rate=0.2", "--config.objective.name=masked_lm")  # order does not matter
   assert c.objective.to_dict() == {"name": "masked_lm", "z_loss": 0.0, "mask_rate": 0.2, "mask_token_rate": 0.8,
-                                   "random_token_rate": 0.1, "whole_word": False}
+                                   "random_token_rate": 0.1, "whole_word": False, "max_predictions": 0,
+                                   "gather_predictions": True}
   assert isinstance(c.objective.mask_rate, float)
   # A config file's settings of its own objective's fields go away with it when the name changes.
   t5 = load_config(os.path.join(ROOT, "configs", "t5_tiny.py"), ["--config.objective.name=causal_lm",

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT, train_and_resume
+from tfx import ops
 from tfx.config import load_config
 from tfx.models import build_model
 from tfx.objectives import OBJECTIVE_PARAMS, placeholder_ids
@@ -98,7 +99,7 @@ def test_loss_is_mlm_plus_the_sentence_loss_on_the_first_token():
   assert set(state.params[OBJECTIVE_PARAMS]) == {"sentence_head"}
   key = jax.random.key(4)
   loss, m = jax.jit(lambda p: objective.loss(model, p, batch, key, train=False))(state.params)
-  row, logits, targets, weights, _, sentence_logits = jax.jit(
+  row, logits, targets, weights, _, sentence_logits, _ = jax.jit(
       lambda p: objective._forward(model, p, batch, key, train=False))(state.params)
   # The captured hidden states are the encoder's final ones: recompute the head from them.
   params = {k: v for k, v in state.params.items() if k != OBJECTIVE_PARAMS}
@@ -114,6 +115,10 @@ def test_loss_is_mlm_plus_the_sentence_loss_on_the_first_token():
   ce = np.log(np.exp(z).sum(-1)) - z[np.arange(len(z)), labels]
   np.testing.assert_allclose(float(m["sentence_loss"]), ce.mean(), rtol=1e-5)
   np.testing.assert_allclose(float(loss), float(m["mlm_loss"]) + float(m["sentence_loss"]), rtol=1e-6)
+  # The loss gathers the selected tokens for the MLM head: the same as the head everywhere.
+  assert objective.gather_slots(model, row["tokens"].shape[1]) is not None
+  np.testing.assert_allclose(float(m["mlm_loss"]), float(ops.weighted_cross_entropy(logits, targets, weights)[0]),
+                             rtol=1e-6)
   # MLM never selects CLS or SEP; the first token is CLS in every row.
   sel = np.asarray(weights) > 0
   assert not np.isin(np.asarray(row["tokens"])[sel], (IDS.cls, IDS.sep)).any() and sel.sum() > 0

@@ -70,14 +70,16 @@ def attention_flops(cfg, queries: int, keys: int) -> float:
   return 4 * e * a * (queries + keys) + 4 * queries * keys * a
 
 
-def row_forward_flops(cfg, length: int) -> float:
+def row_forward_flops(cfg, length: int, outputs: int | None = None) -> float:
   """Forward FLOPs of one row of `length` positions through one stack with full attention and
-  the output projection at every position (decoder, encoder; the encoder's MLM transform too)."""
+  the output projection (the encoder's MLM transform too) at `outputs` positions (default:
+  every position; fewer when masked LM gathers its selected tokens)."""
   e = cfg.d_model
+  outputs = length if outputs is None else outputs
   layer = attention_flops(cfg, length, length) + 2 * length * mlp_params(cfg)
-  head = 2 * length * e * cfg.vocab_size
+  head = 2 * outputs * e * cfg.vocab_size
   if getattr(cfg, "family", "") == "encoder":
-    head += 2 * length * e * e  # MLM head transform
+    head += 2 * outputs * e * e  # MLM head transform
   return cfg.num_layers * layer + head
 
 

@@ -71,6 +71,12 @@ class Encoder(Family):
     return self._encode(tokens, positions, mask, segment_ids, token_types=token_types, train=train,
                         return_hidden=return_hidden, return_embeddings=return_embeddings)
 
+  def mlm_head(self, hidden):
+    """The MLM head alone on final hidden states (`return_hidden=True`'s output): [b, n, e] ->
+    logits [b, n, v] for any n, e.g. the masked positions gathered out of [b, t, e]. Same
+    parameters and computation as the head at the end of `__call__`."""
+    return self._encode(None, None, None, None, token_types=None, train=False, head_input=hidden)
+
   def two_stream(self, tokens, positions, content_mask, query_mask, target_mapping, *, token_types=None,
                  train: bool = False):
     """XLNet's content and query streams with shared weights; the query stream's MLM logits.
@@ -104,13 +110,33 @@ class Encoder(Family):
 
   @nn.compact
   def _encode(self, tokens, positions, mask, segment_ids, *, token_types, train: bool, return_hidden: bool = False,
-              return_embeddings: bool = False, query: QueryStream | None = None, slot_types=None):
+              return_embeddings: bool = False, query: QueryStream | None = None, slot_types=None,
+              head_input=None):
     """One stream (query None): [b, t] -> logits [b, t, v] or hidden [b, t, e]. Two streams:
-    the query stream's logits [b, n, v]. mask: [b, 1|h, t, t] bool for the content stream."""
+    the query stream's logits [b, n, v]. mask: [b, 1|h, t, t] bool for the content stream.
+    head_input [b, n, e]: skip the embeddings and the stack, only the MLM head on it."""
     cfg = self.cfg
     embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=cfg.compute_dtype, name="token_embed")
     mask_emb = self.param("mask_emb", nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), ("embed",)),
                           (cfg.d_model,), jnp.float32)  # [e], the query stream's input (two_stream only)
+    if head_input is None:
+      x = self._hidden(embed, mask_emb, tokens, positions, mask, segment_ids, token_types=token_types, train=train,
+                       return_embeddings=return_embeddings, query=query, slot_types=slot_types)
+      if return_hidden or return_embeddings:
+        return x
+    else:
+      x = head_input  # [b, n, e]
+    # MLM head: transform, then the (tied) output projection with a bias.
+    act = activation("gelu" if cfg.mlp in GATED else cfg.mlp)
+    h = DenseGeneral((cfg.d_model,), (cfg.d_model,), ("embed", "mlp"), use_bias=True, init_std=cfg.init_std,
+                     dtype=cfg.compute_dtype, name="head_dense")(x)
+    h = make_norm(cfg, "head_norm")(act(h))
+    return self.lm_head(embed, h, bias=True)
+
+  def _hidden(self, embed, mask_emb, tokens, positions, mask, segment_ids, *, token_types, train: bool,
+              return_embeddings: bool, query: QueryStream | None, slot_types):
+    """`_encode` up to the MLM head (its submodules are named in `_encode`'s scope)."""
+    cfg = self.cfg
     slots = None if query is None else Slots(mask_emb, query.positions, slot_types)
     x = self.embed_inputs(embed, tokens, positions, train=train, token_types=token_types, slots=slots)
     if return_embeddings:
@@ -123,14 +149,7 @@ class Encoder(Family):
       _, x = stack(x, mask, positions, segment_ids, query=query)  # the query stream, [b, n, e]
     if cfg.norm == "pre":
       x = make_norm(cfg, "final_norm")(x)
-    if return_hidden:
-      return x
-    # MLM head: transform, then the (tied) output projection with a bias.
-    act = activation("gelu" if cfg.mlp in GATED else cfg.mlp)
-    h = DenseGeneral((cfg.d_model,), (cfg.d_model,), ("embed", "mlp"), use_bias=True, init_std=cfg.init_std,
-                     dtype=cfg.compute_dtype, name="head_dense")(x)
-    h = make_norm(cfg, "head_norm")(act(h))
-    return self.lm_head(embed, h, bias=True)
+    return x
 
 
 def last_real_index(segment_ids: jax.Array) -> jax.Array:

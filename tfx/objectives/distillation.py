@@ -38,6 +38,7 @@ from tfx import flops, ops, parallel
 from tfx.errors import UserError
 from tfx.objectives.base import Predictions, flat_positions
 from tfx.objectives.masked_lm import MaskedLM, logits_and_hidden
+from tfx.objectives.options import internal
 from tfx.registry import OBJECTIVES
 
 
@@ -99,6 +100,8 @@ class Distillation(MaskedLM):
   mlm_weight: float = 2.0
   # Weight of the hidden states' cosine loss (DistilBERT: 1).
   cos_weight: float = 1.0
+  # The soft targets need the logits at every real token: masked_lm's gather does not apply.
+  gather_predictions: bool = internal(False)
 
   frozen_inputs = True
 

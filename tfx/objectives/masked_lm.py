@@ -8,6 +8,11 @@ fresh mask from the step's rng, on device.
 - Of the selected tokens, each independently becomes `[MASK]` with probability
   `mask_token_rate`, a uniformly random **ordinary** token (never a special id, as fairseq)
   with probability `random_token_rate`, and is kept otherwise.
+- At most `max_predictions` tokens of a row are selected (BERT's `max_predictions_per_seq`):
+  beyond it, the selected tokens with the largest draws are left unselected (whole words with
+  whole-word masking). By default the cap is the mean + 4 standard deviations of the row's
+  Binomial(seq_len, mask_rate) count, rounded up to a multiple of 8 (`prediction_slots`): it
+  binds in about 3 rows in 100,000.
 - Whole-word masking (`whole_word=True`): words are selected all-or-none with probability
   `mask_rate`; the 80/10/10 replacement is then decided **per token**, as in BERT's
   `create_masked_lm_predictions` and HF's whole-word collator. A word is a word-start token
@@ -21,18 +26,22 @@ fresh mask from the step's rng, on device.
     targets   a  b  c  d  e  | pad
     weights   0  1  0  0  1  |  0
 
-The loss is the mean cross-entropy over the selected tokens. Random draws are made per row
+The loss is the mean cross-entropy over the selected tokens. With `gather_predictions` (the
+default) the MLM head runs on the selected positions only, gathered into `max_predictions` slots
+per row, as BERT's `gather_indexes` does: the same loss, without the vocabulary projection at the
+85% of positions that predict nothing. Random draws are made per row
 from `split(rng, b)[row]`, position by position, so a row's mask does not depend on the
 other rows nor on how much padding follows its real tokens.
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tfx import ops
+from tfx import flops, ops
 from tfx.objectives.base import Objective, Predictions, SpecialIds, flat_positions
 from tfx.objectives.options import internal
 from tfx.registry import OBJECTIVES
@@ -78,6 +87,32 @@ def logits_and_hidden(model, params, tokens, segment_ids, positions, *, train: b
   return logits, captured["intermediates"][last]["__call__"][0]
 
 
+def prediction_slots(length: int, rate: float) -> int:
+  """The default cap on selected tokens per row of `length`: the mean + 4 standard deviations of
+  a Binomial(length, rate) count, rounded up to a multiple of 8, at most `length`."""
+  mean, sd = length * rate, math.sqrt(length * rate * (1.0 - rate))
+  return min(length, 8 * math.ceil((mean + 4.0 * sd) / 8))
+
+
+def cap_selection(u: jax.Array, eligible: jax.Array, rate: float, cap: int) -> jax.Array:
+  """[b, t] draws u and eligibility -> [b, t] bool: eligible & (u < rate), keeping at most `cap`
+  per row, those with the smallest draws (tokens sharing a draw, a word's, go in or out together)."""
+  selected = eligible & (u < rate)
+  if cap >= u.shape[1]:
+    return selected
+  # The (cap+1)-th smallest draw of the row's eligible tokens (2 = none): strictly below it are at most cap.
+  bound = -jax.lax.top_k(-jnp.where(eligible, u, 2.0), cap + 1)[0][:, -1:]  # [b, 1]
+  return selected & (u < bound)
+
+
+def selected_positions(weights: jax.Array, slots: int) -> jax.Array:
+  """[b, t] weights (> 0 = selected, at most `slots` per row) -> [b, slots] int32: each row's
+  selected positions in order, then unselected ones (weight 0) to fill its remaining slots."""
+  t = weights.shape[1]
+  score = jnp.where(weights > 0, t - jnp.arange(t, dtype=jnp.int32), 0)  # [b, t], earlier = higher
+  return jax.lax.top_k(score, slots)[1].astype(jnp.int32)
+
+
 def _row_uniform(rng: jax.Array, shape: tuple[int, int]) -> jax.Array:
   """[b, t] uniforms, row r drawn from split(rng, b)[r] (prefix-stable in t)."""
   keys = jax.random.split(rng, shape[0])
@@ -99,6 +134,7 @@ def select_and_replace(
     mask_token_rate: float,
     random_token_rate: float,
     word_start: np.ndarray | None = None,
+    max_selected: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Which tokens are selected, and how each is replaced.
 
@@ -108,6 +144,7 @@ def select_and_replace(
     is_special: bool [v], True for ids that are never selected.
     mask_rate, mask_token_rate, random_token_rate: the rates of the module docstring.
     word_start: optional bool [v]; given = whole-word masking.
+    max_selected: optional cap on the selected tokens of a row (`cap_selection`).
   Returns:
     (selected bool [b, t], kind int32 [b, t] in {KEEP, MASK, RANDOM}, meaningful where selected).
   """
@@ -117,7 +154,7 @@ def select_and_replace(
   if word_start is not None:
     words = word_ids(tokens, segment_ids, eligible, jnp.asarray(word_start))  # [b, t]
     u = jnp.take_along_axis(u, words, axis=1)  # one draw per word: u[w] for word number w
-  selected = eligible & (u < mask_rate)
+  selected = cap_selection(u, eligible, mask_rate, tokens.shape[1] if max_selected is None else max_selected)
   r = _row_uniform(kind_rng, tokens.shape)  # [b, t]
   kind = jnp.where(r < mask_token_rate, MASK, jnp.where(r < mask_token_rate + random_token_rate, RANDOM, KEEP))
   return selected, kind.astype(jnp.int32)
@@ -133,6 +170,7 @@ def mask_tokens(
     mask_token_rate: float = 0.8,
     random_token_rate: float = 0.1,
     word_start: np.ndarray | tuple[bool, ...] | None = None,
+    max_selected: int | None = None,
     return_kept: bool = False,
 ) -> tuple[jax.Array, ...]:
   """Dynamic BERT masking of a packed batch.
@@ -145,6 +183,7 @@ def mask_tokens(
     mask_token_rate: probability that a selected token becomes [MASK].
     random_token_rate: probability that a selected token becomes a random ordinary token.
     word_start: optional bool [v], which ids start a word; given = whole-word masking.
+    max_selected: optional cap on the selected tokens of a row (None = no cap).
   Returns:
     (inputs [b, t] int32, targets [b, t] int32 = tokens, weights [b, t] float32 = selected), and with
     `return_kept` also kept [b, t] bool: the selected tokens left unchanged in the inputs.
@@ -160,7 +199,8 @@ def mask_tokens(
   select_rng, random_rng = jax.random.split(rng)
   selected, kind = select_and_replace(
       tokens, segment_ids, select_rng, is_special=is_special, mask_rate=mask_rate,
-      mask_token_rate=mask_token_rate, random_token_rate=random_token_rate, word_start=word_start)
+      mask_token_rate=mask_token_rate, random_token_rate=random_token_rate, word_start=word_start,
+      max_selected=max_selected)
   random_tokens = jnp.asarray(ordinary)[_row_randint(random_rng, tokens.shape, len(ordinary))]  # [b, t]
   replaced = jnp.where(kind == MASK, ids.mask, jnp.where(kind == RANDOM, random_tokens, tokens))
   inputs = jnp.where(selected, replaced, tokens).astype(jnp.int32)
@@ -186,6 +226,14 @@ class MaskedLM(Objective):
   random_token_rate: float = 0.1
   # Select whole words (the tokenizer's word starts) instead of single pieces.
   whole_word: bool = False
+  # At most this many selected tokens per row (BERT's max_predictions_per_seq); the ones with the
+  # largest draws beyond it are left unselected. 0 = the mean + 4 standard deviations of the row's
+  # Binomial(seq_len, mask_rate) count, rounded up to a multiple of 8 (binds in ~3 rows in 100,000).
+  max_predictions: int = 0
+  # Run the MLM head (transform, vocabulary projection) only on the selected tokens, gathered into
+  # max_predictions slots per row (BERT's gather_indexes), instead of at every position: same loss.
+  # Needs a model with `mlm_head` (the encoder family); others always run the head everywhere.
+  gather_predictions: bool = True
   word_start: tuple[bool, ...] | None = internal()
 
   families = ("encoder",)
@@ -200,6 +248,8 @@ class MaskedLM(Objective):
                        f"{self.mask_token_rate} + {self.random_token_rate}")
     if self.ids.mask is None:
       raise ValueError("masked_lm needs a [MASK] id, but the tokenizer has none")
+    if self.max_predictions < 0:
+      raise ValueError(f"objective.max_predictions must be >= 0 (0 = automatic), got {self.max_predictions}")
     if self.word_start is not None and len(self.word_start) != self.ids.vocab_size:
       raise ValueError(f"word_start has {len(self.word_start)} entries, expected vocab_size={self.ids.vocab_size}")
 
@@ -209,6 +259,10 @@ class MaskedLM(Objective):
   def with_word_start(self, word_start) -> "MaskedLM":
     """A copy that knows which ids start a word (bool [v], `Tokenizer.word_start_mask()`)."""
     return dataclasses.replace(self, word_start=tuple(bool(x) for x in np.asarray(word_start)))
+
+  def prediction_slots(self, length: int) -> int:
+    """The cap on selected tokens per row of `length` (`max_predictions`, 0 = automatic)."""
+    return min(length, self.max_predictions or prediction_slots(length, self.mask_rate))
 
   def mask(self, batch: dict[str, jax.Array], rng: jax.Array, *, return_kept: bool = False
            ) -> tuple[jax.Array, ...]:
@@ -223,7 +277,7 @@ class MaskedLM(Objective):
     return mask_tokens(
         batch["tokens"], batch["segment_ids"], rng, ids=self.ids, mask_rate=self.mask_rate,
         mask_token_rate=self.mask_token_rate, random_token_rate=self.random_token_rate, word_start=word_start,
-        return_kept=return_kept)
+        max_selected=self.prediction_slots(batch["tokens"].shape[1]), return_kept=return_kept)
 
   def _forward(self, model, params, batch, rng, *, train):
     mask_rng, dropout_rng = jax.random.split(rng)
@@ -233,9 +287,36 @@ class MaskedLM(Objective):
         train=train, rngs={"dropout": dropout_rng})  # [b, t, v]
     return logits, targets, weights, kept
 
+  def train_flops_per_row(self, model_cfg, seq_len: int) -> float:
+    """The head runs on the prediction slots only when gathering."""
+    outputs = self.prediction_slots(seq_len) if self.gather_predictions else seq_len
+    return 3 * flops.row_forward_flops(model_cfg, seq_len, outputs)
+
+  def gather_slots(self, model, length: int) -> int | None:
+    """The head's slots per row when the loss gathers the selected tokens (`gather_predictions`,
+    a model with `mlm_head`, fewer slots than positions); None when it runs the head everywhere."""
+    slots = self.prediction_slots(length)
+    return slots if self.gather_predictions and hasattr(model, "mlm_head") and slots < length else None
+
+  def gathered_loss(self, model, params, hidden, targets, weights, slots: int):
+    """weighted_cross_entropy of the MLM head run on each row's selected positions only:
+    hidden [b, t, e], targets / weights [b, t] with at most `slots` selected per row."""
+    where = selected_positions(weights, slots)  # [b, slots]
+    logits = model.apply({"params": params}, jnp.take_along_axis(hidden, where[..., None], axis=1),
+                         method="mlm_head")  # [b, slots, v]
+    return ops.weighted_cross_entropy(logits, jnp.take_along_axis(targets, where, axis=1),
+                                      jnp.take_along_axis(weights, where, axis=1), z_loss=self.z_loss)
+
   def loss(self, model, params, batch, rng, *, train):
-    logits, targets, weights, _ = self._forward(model, params, batch, rng, train=train)
-    return ops.weighted_cross_entropy(logits, targets, weights, z_loss=self.z_loss)
+    slots = self.gather_slots(model, batch["tokens"].shape[1])
+    if slots is None:
+      logits, targets, weights, _ = self._forward(model, params, batch, rng, train=train)
+      return ops.weighted_cross_entropy(logits, targets, weights, z_loss=self.z_loss)
+    mask_rng, dropout_rng = jax.random.split(rng)  # as _forward
+    inputs, targets, weights = self.mask(batch, mask_rng)  # [b, t] each, at most `slots` selected per row
+    hidden = model.apply({"params": params}, inputs, batch["segment_ids"], batch["positions"], train=train,
+                         rngs={"dropout": dropout_rng}, return_hidden=True)  # [b, t, e]
+    return self.gathered_loss(model, params, hidden, targets, weights, slots)
 
   def predictions(self, model, params, batch, rng):
     """A selected token is predicted from its document; the kept ones (selected, left as they are)
