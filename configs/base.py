@@ -92,11 +92,13 @@ def get_config() -> ml_collections.ConfigDict:
   # and the step 17% faster. Computes the same function: a resume may change it.
   c.model.scan_unroll = 1
   # Rematerialisation policy name: 'none', 'full' (= 'nothing_saveable'), 'dots' (= 'dots_saveable'),
-  # 'dots_no_batch' (= 'dots_with_no_batch_dims_saveable'), 'everything_saveable' (tfx/nn/blocks.py).
-  # 'dots_saveable' keeps the matmul outputs and recomputes the elementwise ops in the backward pass:
-  # on CPU it was both faster and 0.6x the temporary memory of 'none' (README, Performance), and on
-  # an accelerator it is the usual memory / speed middle. Computes the same function.
-  c.model.remat = "dots_saveable"
+  # 'dots_no_batch' (= 'dots_with_no_batch_dims_saveable'), 'dots_attention', 'everything_saveable'
+  # (tfx/nn/blocks.py). 'dots_attention' keeps the weight matmuls' outputs and the attention's own
+  # residuals (its probabilities, not the q.k scores) and recomputes the other elementwise ops in the
+  # backward pass: on CPU it is faster than 'dots_saveable' and 'none' at 0.6x the temporary memory
+  # of 'none' (README, Performance); on an accelerator, the usual memory / speed middle. Computes
+  # the same function (a resume may change it).
+  c.model.remat = "dots_attention"
   # Attention implementation: 'auto' (cuDNN's fused kernel on a GPU for bf16/fp16 and head_dim
   # <= 128, XLA otherwise), 'xla', 'cudnn' (falls back to XLA where it cannot run) or 'reference'
   # (the einsum reference, for debugging). The kernel chosen is logged once with the reason.

@@ -221,3 +221,37 @@ def test_attention_kernel_choice_and_fallback(monkeypatch, caplog):
   assert len(lines) == 1 and lines[0].startswith("attention: xla (cuDNN refused"), lines
   expected = ops.dot_product_attention(q, k, v, mask=mask, implementation="xla")
   np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
+
+
+def _norm_by_autodiff(x, scale, bias, eps, centre):
+  """The textbook LayerNorm / RMSNorm, differentiated by JAX (the mean and variance one by one)."""
+  xf = x.astype(jnp.float32)
+  if centre:
+    xf = xf - jnp.mean(xf, axis=-1, keepdims=True)
+  y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps) * scale
+  return y if bias is None else y + bias
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "layer_norm_no_bias", "rms_norm"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_norm_backward_matches_autodiff(kind, dtype):
+  """ops.layer_norm / rms_norm (hand-written backward): values and the gradients of x, scale and
+  bias equal autodiff through the textbook formula, in float32 and from bf16 inputs."""
+  k = jax.random.split(jax.random.key(7), 4)
+  x = (3.0 * jax.random.normal(k[0], (2, 5, 24)) + 1.5).astype(dtype)
+  scale = 1.0 + jax.random.normal(k[1], (24,))
+  bias = None if kind != "layer_norm" else jax.random.normal(k[2], (24,))
+  cotangent = jax.random.normal(k[3], (2, 5, 24))
+  centre = kind != "rms_norm"
+  if centre:
+    ours = lambda x, s, b: ops.layer_norm(x, s, b, eps=1e-5)
+  else:
+    ours = lambda x, s, b: ops.rms_norm(x, s, eps=1e-5)
+  theirs = lambda x, s, b: _norm_by_autodiff(x, s, b, 1e-5, centre)
+  np.testing.assert_allclose(ours(x, scale, bias), theirs(x, scale, bias), rtol=1e-6, atol=1e-6)
+  argnums = (0, 1) if bias is None else (0, 1, 2)
+  grads = [jax.grad(lambda *a: jnp.sum(f(*a) * cotangent), argnums=argnums)(x, scale, bias) for f in (ours, theirs)]
+  for a, b in zip(*grads):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol)

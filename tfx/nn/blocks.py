@@ -11,6 +11,7 @@ from typing import Callable, NamedTuple
 import flax.linen as nn
 import jax
 
+from tfx import ops
 from tfx.nn.attention import Attention
 from tfx.nn.layers import Mlp, ModelConfig, constrain, make_norm
 
@@ -25,6 +26,11 @@ REMAT_POLICIES: dict[str, Callable | None] = {
     "dots_no_batch": _cp.dots_with_no_batch_dims_saveable,  # save the weight matmuls, not q.k / p.v
     "dots_with_no_batch_dims_saveable": _cp.dots_with_no_batch_dims_saveable,
     "everything_saveable": _cp.everything_saveable,  # save all (remat as a no-op, for comparison)
+    # The weight matmuls and the attention's own residuals (tfx.ops.softmax_attention's unnormalised
+    # probabilities, inverse row sums and output; XLNet's probabilities and output), not the q.k
+    # scores: the backward pass recomputes neither the mask nor the softmax (the default).
+    "dots_attention": _cp.save_from_both_policies(
+        _cp.dots_with_no_batch_dims_saveable, _cp.save_only_these_names(*ops.attention.RESIDUAL_NAMES)),
 }
 REMAT_NAMES = ("none",) + tuple(REMAT_POLICIES)
 

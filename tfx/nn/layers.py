@@ -172,16 +172,14 @@ class Norm(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     d = x.shape[-1]
-    xf = x.astype(jnp.float32)
     scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (d,), jnp.float32)
     if self.kind == "rmsnorm":
-      y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps) * scale
+      y = ops.rms_norm(x, scale, eps=self.eps)
     elif self.kind == "layernorm":
-      mean = jnp.mean(xf, axis=-1, keepdims=True)
-      var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-      y = (xf - mean) * jax.lax.rsqrt(var + self.eps) * scale
+      bias = None
       if self.use_bias:
-        y = y + self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)), (d,), jnp.float32)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)), (d,), jnp.float32)
+      y = ops.layer_norm(x, scale, bias, eps=self.eps)
     else:
       raise ValueError(f"unknown norm_type {self.kind!r}")
     return y.astype(self.dtype)

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from tfx import ops
 from tfx.nn.layers import DenseGeneral, Mlp, ModelConfig, Norm, constrain
@@ -239,9 +240,9 @@ class TwoStreamAttention(nn.Module):
       score = relative_scores(q, k, k_r, index, biases, seg_embed, seg_diff) * scale  # [b, h, t, s]
       if mask is not None:
         score = jnp.where(mask[:, None], score, ops.MASK_VALUE)
-      probs = jax.nn.softmax(score, axis=-1)
+      probs = checkpoint_name(jax.nn.softmax(score, axis=-1), "attention_probs")  # kept by remat=dots_attention
       probs = nn.Dropout(cfg.attention_dropout)(probs, deterministic=self.deterministic)
-      return jnp.einsum("bhts,bshd->bthd", probs.astype(v.dtype), v)
+      return checkpoint_name(jnp.einsum("bhts,bshd->bthd", probs.astype(v.dtype), v), "attention_out")
 
     def post(x: jax.Array, vec: jax.Array) -> jax.Array:
       return norm(x + drop(out(vec)))

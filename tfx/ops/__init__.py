@@ -13,4 +13,5 @@ from tfx.ops.attention import (
     segment_mask,
 )
 from tfx.ops.losses import weighted_cross_entropy
+from tfx.ops.norms import layer_norm, rms_norm
 from tfx.ops.positions import rotary, sinusoidal, t5_relative_buckets

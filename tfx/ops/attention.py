@@ -17,6 +17,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 Implementation = Literal["auto", "xla", "cudnn", "reference"]
 
@@ -123,6 +124,11 @@ def _grouped(x: jax.Array | None, kv_heads: int) -> jax.Array | None:
   return x.reshape(x.shape[0], kv_heads, x.shape[1] // kv_heads, *x.shape[2:])
 
 
+# The names of the attention's residuals (unnormalised probabilities, inverse row sums, output),
+# for rematerialisation policies that keep them (tfx/nn/blocks.py).
+RESIDUAL_NAMES = ("attention_probs", "attention_inv_sum", "attention_out")
+
+
 def _scores(q, k, mask, bias, scale):
   """Masked scores [b, k, g, t, s] (float32), the scale applied to q in float32 (t*d products,
   not t*s) and in float32 after the matmul otherwise."""
@@ -154,6 +160,7 @@ def _softmax_attention_fwd(q, k, v, mask, bias, scale):
   inv_l = jnp.where(total > 0.0, 1.0 / jnp.maximum(total, 1.0), 0.0)
   out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
   out = out * jnp.moveaxis(inv_l, 3, 1)[..., None]  # [b, t, k, g, d]
+  p, inv_l, out = (checkpoint_name(x, n) for x, n in zip((p, inv_l, out), RESIDUAL_NAMES))
   return out.reshape(b, t, h, d).astype(q.dtype), (q, k, v, bias, p, inv_l, out)
 
 
