@@ -99,7 +99,7 @@ def test_loss_is_mlm_plus_the_sentence_loss_on_the_first_token():
   assert set(state.params[OBJECTIVE_PARAMS]) == {"sentence_head"}
   key = jax.random.key(4)
   loss, m = jax.jit(lambda p: objective.loss(model, p, batch, key, train=False))(state.params)
-  row, logits, targets, weights, _, sentence_logits, _ = jax.jit(
+  row, logits, _, targets, weights, _, sentence_logits = jax.jit(
       lambda p: objective._forward(model, p, batch, key, train=False))(state.params)
   # The captured hidden states are the encoder's final ones: recompute the head from them.
   params = {k: v for k, v in state.params.items() if k != OBJECTIVE_PARAMS}

@@ -279,18 +279,22 @@ class MaskedLM(Objective):
         mask_token_rate=self.mask_token_rate, random_token_rate=self.random_token_rate, word_start=word_start,
         max_selected=self.prediction_slots(batch["tokens"].shape[1]), return_kept=return_kept)
 
-  def _forward(self, model, params, batch, rng, *, train):
+  def _forward(self, model, params, batch, rng, *, train, hidden: bool = False):
+    """(logits [b, t, v], or the final hidden states [b, t, e] with `hidden`; targets, weights,
+    kept [b, t])."""
     mask_rng, dropout_rng = jax.random.split(rng)
     inputs, targets, weights, kept = self.mask(batch, mask_rng, return_kept=True)  # [b, t] each
-    logits = model.apply(
+    out = model.apply(
         {"params": params}, inputs, batch["segment_ids"], batch["positions"],
-        train=train, rngs={"dropout": dropout_rng})  # [b, t, v]
-    return logits, targets, weights, kept
+        train=train, rngs={"dropout": dropout_rng}, **({"return_hidden": True} if hidden else {}))
+    return out, targets, weights, kept
+
+  def head_positions(self, seq_len: int) -> int:
+    """Positions per row of `seq_len` the MLM head runs on in training (for the FLOP count)."""
+    return self.prediction_slots(seq_len) if self.gather_predictions else seq_len
 
   def train_flops_per_row(self, model_cfg, seq_len: int) -> float:
-    """The head runs on the prediction slots only when gathering."""
-    outputs = self.prediction_slots(seq_len) if self.gather_predictions else seq_len
-    return 3 * flops.row_forward_flops(model_cfg, seq_len, outputs)
+    return 3 * flops.row_forward_flops(model_cfg, seq_len, self.head_positions(seq_len))
 
   def gather_slots(self, model, length: int) -> int | None:
     """The head's slots per row when the loss gathers the selected tokens (`gather_predictions`,
@@ -298,25 +302,22 @@ class MaskedLM(Objective):
     slots = self.prediction_slots(length)
     return slots if self.gather_predictions and hasattr(model, "mlm_head") and slots < length else None
 
-  def gathered_loss(self, model, params, hidden, targets, weights, slots: int):
-    """weighted_cross_entropy of the MLM head run on each row's selected positions only:
-    hidden [b, t, e], targets / weights [b, t] with at most `slots` selected per row."""
+  def mlm_loss(self, model, params, out, targets, weights, slots: int | None):
+    """weighted_cross_entropy of the MLM predictions. slots None: `out` is the logits [b, t, v].
+    Otherwise `out` is the final hidden states [b, t, e] and the head runs on each row's selected
+    positions only, gathered into `slots` slots (at most that many are selected per row)."""
+    if slots is None:
+      return ops.weighted_cross_entropy(out, targets, weights, z_loss=self.z_loss)
     where = selected_positions(weights, slots)  # [b, slots]
-    logits = model.apply({"params": params}, jnp.take_along_axis(hidden, where[..., None], axis=1),
+    logits = model.apply({"params": params}, jnp.take_along_axis(out, where[..., None], axis=1),
                          method="mlm_head")  # [b, slots, v]
     return ops.weighted_cross_entropy(logits, jnp.take_along_axis(targets, where, axis=1),
                                       jnp.take_along_axis(weights, where, axis=1), z_loss=self.z_loss)
 
   def loss(self, model, params, batch, rng, *, train):
     slots = self.gather_slots(model, batch["tokens"].shape[1])
-    if slots is None:
-      logits, targets, weights, _ = self._forward(model, params, batch, rng, train=train)
-      return ops.weighted_cross_entropy(logits, targets, weights, z_loss=self.z_loss)
-    mask_rng, dropout_rng = jax.random.split(rng)  # as _forward
-    inputs, targets, weights = self.mask(batch, mask_rng)  # [b, t] each, at most `slots` selected per row
-    hidden = model.apply({"params": params}, inputs, batch["segment_ids"], batch["positions"], train=train,
-                         rngs={"dropout": dropout_rng}, return_hidden=True)  # [b, t, e]
-    return self.gathered_loss(model, params, hidden, targets, weights, slots)
+    out, targets, weights, _ = self._forward(model, params, batch, rng, train=train, hidden=slots is not None)
+    return self.mlm_loss(model, params, out, targets, weights, slots)
 
   def predictions(self, model, params, batch, rng):
     """A selected token is predicted from its document; the kept ones (selected, left as they are)

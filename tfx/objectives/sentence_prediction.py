@@ -124,33 +124,31 @@ class SentencePrediction(MaskedLM):
                           pad=self.ids.pad)
 
   def _forward(self, model, params, batch, rng, *, train, gather: bool = False):
-    """(row, MLM logits [b, t, v], targets, weights, kept, sentence logits [b, 2], None); with
-    `gather` and masked_lm's `gather_slots` not None: the final hidden states [b, t, e] in place of
-    the MLM logits, and the slots last."""
+    """(row, MLM logits [b, t, v] or None, final hidden states [b, t, e], targets, weights, kept,
+    sentence logits [b, 2]). With `gather`, the MLM logits are left to the loss (None) when
+    masked_lm's `gather_slots` applies to the row."""
     encoder_params, own = split_params(params)
     row_rng, mask_rng, dropout_rng = jax.random.split(rng, 3)
     row = self.rows(batch, row_rng)
     inputs, targets, weights, kept = self.mask(row, mask_rng, return_kept=True)  # [b, t] each
     args = (inputs, row["segment_ids"], row["positions"])
-    slots = self.gather_slots(model, inputs.shape[1]) if gather else None
-    if slots is not None:
-      hidden = model.apply({"params": encoder_params}, *args, token_types=row["token_types"], train=train,
-                           rngs={"dropout": dropout_rng}, return_hidden=True)  # [b, t, e]
-      logits = hidden
+    kwargs = dict(token_types=row["token_types"], train=train, rngs={"dropout": dropout_rng})
+    if gather and self.gather_slots(model, inputs.shape[1]) is not None:
+      logits, hidden = None, model.apply({"params": encoder_params}, *args, return_hidden=True, **kwargs)
     else:
-      logits, hidden = logits_and_hidden(model, encoder_params, *args, token_types=row["token_types"], train=train,
-                                         rngs={"dropout": dropout_rng})  # [b, t, v], [b, t, e]
+      logits, hidden = logits_and_hidden(model, encoder_params, *args, **kwargs)  # [b, t, v], [b, t, e]
     sentence_logits = ClassifierHead(2, pooling="first", init_std=model.cfg.init_std).apply(
         {"params": own["sentence_head"]}, hidden, row["segment_ids"])  # [b, 2]
-    return row, logits, targets, weights, kept, sentence_logits, slots
+    return row, logits, hidden, targets, weights, kept, sentence_logits
 
   def loss(self, model, params, batch, rng, *, train):
-    row, logits, targets, weights, _, sentence_logits, slots = self._forward(model, params, batch, rng, train=train,
-                                                                             gather=True)
-    if slots is None:
-      mlm_loss, mlm = ops.weighted_cross_entropy(logits, targets, weights, z_loss=self.z_loss)
-    else:  # logits are the hidden states
-      mlm_loss, mlm = self.gathered_loss(model, split_params(params)[0], logits, targets, weights, slots)
+    row, logits, hidden, targets, weights, _, sentence_logits = self._forward(model, params, batch, rng,
+                                                                              train=train, gather=True)
+    if logits is None:  # gathered: the head runs on the selected tokens' hidden states
+      slots = self.gather_slots(model, row["tokens"].shape[1])
+      mlm_loss, mlm = self.mlm_loss(model, split_params(params)[0], hidden, targets, weights, slots)
+    else:
+      mlm_loss, mlm = self.mlm_loss(model, None, logits, targets, weights, None)
     rows = jnp.any(row["segment_ids"] > 0, axis=1).astype(jnp.float32)  # [b], rows with text
     ce = optax.softmax_cross_entropy_with_integer_labels(sentence_logits, row["label"])  # [b]
     n = jnp.maximum(jnp.sum(rows), 1.0)
@@ -164,7 +162,7 @@ class SentencePrediction(MaskedLM):
     """t + 1 slots per row: the MLM slots at the row's positions (source: the raw token placed
     there), then the sentence slot (its 2 logits in columns 0 and 1, source -1). Every slot may see
     the raw tokens placed in its row, which for nsp include the stretch of the next row."""
-    row, logits, targets, weights, kept, sentence_logits, _ = self._forward(model, params, batch, rng, train=False)
+    row, logits, _, targets, weights, kept, sentence_logits = self._forward(model, params, batch, rng, train=False)
     b, t, v = logits.shape
     n_raw = batch["tokens"].size
     in_row = jnp.any(row["source"][:, :, None] == jnp.arange(n_raw)[None, None, :], axis=1)  # [b, b * raw]
@@ -185,8 +183,7 @@ class SentencePrediction(MaskedLM):
   def train_flops_per_row(self, model_cfg, seq_len: int) -> float:
     """The MLM encoder row plus the pooler and classifier on the first token."""
     e = model_cfg.d_model
-    outputs = self.prediction_slots(seq_len) if self.gather_predictions else seq_len
-    return 3 * (flops.row_forward_flops(model_cfg, seq_len, outputs) + 2 * (e * e + 2 * e))
+    return 3 * (flops.row_forward_flops(model_cfg, seq_len, self.head_positions(seq_len)) + 2 * (e * e + 2 * e))
 
 
 @OBJECTIVES.register("nsp")

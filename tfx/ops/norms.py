@@ -31,9 +31,7 @@ def _normalise(x, eps: float, centre: bool):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _norm(x, scale, bias, eps: float, centre: bool):
-  xhat, _ = _normalise(x, eps, centre)
-  y = xhat * scale
-  return y if bias is None else y + bias
+  return _norm_fwd(x, scale, bias, eps, centre)[0]
 
 
 def _norm_fwd(x, scale, bias, eps, centre):
