@@ -207,3 +207,36 @@ def test_relative_bias_from_columns_is_the_position_bias(case, shared_tokenizer,
     np.testing.assert_allclose(float(a), float(b), rtol=1e-6)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7), grad(exp.model)(params),
                  grad(by_position)(params))
+
+
+@pytest.mark.parametrize("x_shape,in_shape,out_shape", [
+    ((2, 5, 8), (8,), (12,)),  # [b, t, e] -> [b, t, f]
+    ((2, 5, 8), (8,), (3, 4)),  # query/key/value: [b, t, e] -> [b, t, h, d]
+    ((2, 5, 3, 4), (3, 4), (8,)),  # attention output: [b, t, h, d] -> [b, t, e]
+    ((7, 8), (8,), (6,)),  # no batch dim
+])
+def test_dense_general_is_the_contraction_of_its_trailing_dims(x_shape, in_shape, out_shape):
+  """DenseGeneral runs as one flattened 2-D matmul; its output and both gradients equal the plain
+  contraction of x's trailing dims with the kernel's leading ones (einsum, autodiff)."""
+  from tfx.nn.layers import DenseGeneral
+  layer = DenseGeneral(in_shape, out_shape, ("a",) * len(in_shape) + ("b",) * len(out_shape))
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.normal(size=x_shape), jnp.float32)
+  params = nn.meta.unbox(layer.init(jax.random.key(0), x))["params"]
+  params["bias"] = jnp.asarray(rng.normal(size=out_shape), jnp.float32)
+  cotangent = jnp.asarray(rng.normal(size=x_shape[: len(x_shape) - len(in_shape)] + out_shape), jnp.float32)
+  n_in = len(in_shape)
+
+  def reference(x, p):
+    contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+    return jax.lax.dot_general(x, p["kernel"], (contract, ((), ())), precision="highest") + p["bias"]
+
+  def layer_fn(x, p):
+    return layer.apply({"params": p}, x)
+
+  for fn in (layer_fn, reference):
+    assert fn(x, params).shape == cotangent.shape
+  np.testing.assert_allclose(layer_fn(x, params), reference(x, params), rtol=1e-5, atol=1e-5)
+  got = jax.grad(lambda x, p: jnp.sum(layer_fn(x, p) * cotangent), argnums=(0, 1))(x, params)
+  want = jax.grad(lambda x, p: jnp.sum(reference(x, p) * cotangent), argnums=(0, 1))(x, params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), got, want)
