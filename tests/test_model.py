@@ -240,3 +240,49 @@ def test_dense_general_is_the_contraction_of_its_trailing_dims(x_shape, in_shape
   got = jax.grad(lambda x, p: jnp.sum(layer_fn(x, p) * cotangent), argnums=(0, 1))(x, params)
   want = jax.grad(lambda x, p: jnp.sum(reference(x, p) * cotangent), argnums=(0, 1))(x, params)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), got, want)
+
+
+FUSED_LOSS_CASES = {
+    "gpt2_tied": ("configs/tiny.py", ()),
+    "decoder_untied_bf16": ("configs/tiny.py", ("--config.model.tie_embeddings=false", "--config.model.dtype=bfloat16")),
+    "t5_untied_zloss": ("configs/t5_tiny.py", ("--config.objective.z_loss=1e-3",)),
+    "t5_v1_0_scaled_tied": ("configs/t5_tiny.py", ("--config.model.tie_embeddings=true",
+                                                   "--config.model.scale_tied_logits=true")),
+}
+
+
+@pytest.mark.parametrize("case", list(FUSED_LOSS_CASES))
+def test_fused_head_loss_equals_the_loss_of_the_logits(case, shared_tokenizer, tmp_path):
+  """model.loss_chunk > 0 (the output projection fused with the token loss, chunks that do not divide
+  the row) gives the objective the loss, metrics and gradients of the materialised logits
+  (loss_chunk 0), on the rows tfx's pipeline and objectives build: tied (GPT-2), untied, bf16,
+  T5 v1.1 (untied, z-loss) and v1.0 (tied, scaled)."""
+  import dataclasses
+
+  from tfx import train
+  from tfx.config import load_config
+
+  name, extra = FUSED_LOSS_CASES[case]
+  config = load_config(os.path.join(ROOT, name), [
+      f"--config.data.tokenizer={shared_tokenizer}", "--config.data.max_documents=60", "--config.train.batch_size=4",
+      "--config.model.num_layers=2", "--config.model.dropout=0.0", *extra])
+  exp = train.build(config, str(tmp_path))
+  assert exp.model.cfg.loss_chunk == 0
+  fused = exp.model.clone(cfg=dataclasses.replace(exp.model.cfg, loss_chunk=5))
+  _, shardings = train.state_shardings(exp.model, exp.tx, exp.mesh, config.data.seq_len, exp.objective,
+                                       config.train.batch_size)
+  params = train.init_state(exp.model, exp.tx, exp.mesh, config.data.seq_len, 0, shardings, exp.objective,
+                            config.train.batch_size).params
+  batch = {k: jnp.asarray(v, jnp.int32) for k, v in exp.pipeline.next_batch().items()}
+  loss = lambda model: jax.jit(jax.value_and_grad(
+      lambda p: exp.objective.loss(model, p, batch, jax.random.key(1), train=True), has_aux=True))
+  (want, want_m), want_g = loss(exp.model)(params)
+  (got, got_m), got_g = loss(fused)(params)
+  bf16 = exp.model.cfg.dtype == "bfloat16"
+  tol = dict(rtol=1e-2, atol=1e-3) if bf16 else dict(rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(float(got), float(want), **tol)
+  assert set(got_m) == set(want_m)
+  for key in want_m:
+    np.testing.assert_allclose(float(got_m[key]), float(want_m[key]), **tol)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **(dict(rtol=5e-2, atol=2e-3) if bf16 else tol)),
+               got_g, want_g)

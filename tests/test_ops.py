@@ -191,6 +191,58 @@ def test_weighted_cross_entropy_matches_numpy():
   assert float(loss0) == 0.0
 
 
+FUSED_CASES = {
+    "tied": dict(vocab_major=True, bias=False, z_loss=0.0, chunk=4, dtype=jnp.float32),
+    "tied_bias_zloss": dict(vocab_major=True, bias=True, z_loss=1e-2, chunk=5, dtype=jnp.float32),
+    "untied_zloss_one_chunk": dict(vocab_major=False, bias=False, z_loss=1e-3, chunk=64, dtype=jnp.float32),
+    "untied_bias_bf16": dict(vocab_major=False, bias=True, z_loss=0.0, chunk=3, dtype=jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_linear_cross_entropy_equals_the_loss_of_the_logits(case):
+  """The fused projection + loss gives weighted_cross_entropy's loss, metrics and gradients (x,
+  kernel, bias) from the materialised logits: a kernel [v, e] or [e, v], an output bias, the z-loss,
+  chunks that do not divide the row (padded with weight 0), bf16 hidden states, the weights'
+  gradient too, and the same value whether differentiated or not."""
+  c = FUSED_CASES[case]
+  rng = np.random.default_rng(6)
+  b, t, e, v = 2, 13, 8, 37
+  x = jnp.asarray(rng.normal(size=(b, t, e)), jnp.float32)
+  kernel = jnp.asarray(rng.normal(size=(v, e) if c["vocab_major"] else (e, v)) * 0.5, jnp.float32)
+  bias = jnp.asarray(rng.normal(size=(v,)), jnp.float32) if c["bias"] else None
+  targets = jnp.asarray(rng.integers(0, v, (b, t)))
+  weights = jnp.asarray(rng.random((b, t)) > 0.3, jnp.float32).at[0, 0].set(2.0)  # a weight of 2 too
+
+  def reference(x, kernel, bias, weights):
+    xc, kc = x.astype(c["dtype"]), kernel.astype(c["dtype"])
+    logits = jnp.einsum("bte,ve->btv" if c["vocab_major"] else "bte,ev->btv", xc, kc,
+                        preferred_element_type=jnp.float32)
+    logits = logits if bias is None else logits + bias
+    return ops.weighted_cross_entropy(logits, targets, weights, z_loss=c["z_loss"])
+
+  def fused(x, kernel, bias, weights):
+    head = ops.HeadWeights(kernel, bias, c["vocab_major"])
+    return ops.linear_cross_entropy(x.astype(c["dtype"]), head, targets, weights, z_loss=c["z_loss"],
+                                    chunk=c["chunk"])
+
+  tol = dict(rtol=2e-2, atol=2e-3) if c["dtype"] == jnp.bfloat16 else dict(rtol=2e-5, atol=2e-6)
+  (want, want_m), want_g = jax.value_and_grad(reference, argnums=(0, 1, 2, 3), has_aux=True)(x, kernel, bias, weights)
+  (got, got_m), got_g = jax.jit(jax.value_and_grad(fused, argnums=(0, 1, 2, 3), has_aux=True))(x, kernel, bias, weights)
+  assert set(got_m) == set(want_m) == ({"loss", "accuracy", "num_tokens"} | ({"z_loss"} if c["z_loss"] else set()))
+  np.testing.assert_allclose(float(got), float(want), **tol)
+  for name in want_m:
+    np.testing.assert_allclose(float(got_m[name]), float(want_m[name]), **tol)
+  for got_leaf, want_leaf in zip(got_g, want_g):  # x, kernel, bias (or None), weights
+    if want_leaf is not None:
+      assert got_leaf.dtype == want_leaf.dtype
+      np.testing.assert_allclose(np.asarray(got_leaf, np.float32), np.asarray(want_leaf, np.float32), **tol)
+  np.testing.assert_allclose(float(jax.jit(fused)(x, kernel, bias, weights)[0]), float(got), rtol=1e-6)
+  # Nothing predicted: 0, not NaN, and zero gradients.
+  zero, zero_g = jax.value_and_grad(lambda x: fused(x, kernel, bias, jnp.zeros((b, t)))[0])(x)
+  assert float(zero) == 0.0 and not np.any(np.asarray(zero_g))
+
+
 def test_attention_kernel_choice_and_fallback(monkeypatch, caplog):
   """'auto' picks cuDNN only on a GPU for bf16/fp16 with a supported head dim; an explicit 'cudnn'
   that cannot run falls back to XLA with the same numbers, and the choice is logged once."""

@@ -132,17 +132,33 @@ class Family(nn.Module):
       k_positions = jnp.arange(k_positions.shape[1], dtype=jnp.int32)[None, :]  # [1, s]
     return RelativePositionBias(self.cfg, bidirectional, name=name)(q_positions, k_positions)
 
-  def lm_head(self, embed: Embed, x: jax.Array, *, bias: bool = False) -> jax.Array:
-    """[b, t, e] -> [b, t, v] logits (float32), tied to `embed` or a separate projection."""
+  def lm_head(self, embed: Embed, x: jax.Array, *, bias: bool = False, loss: ops.TokenTargets | None = None):
+    """[b, t, e] -> [b, t, v] logits (float32), tied to `embed` or a separate projection.
+
+    With `loss` (the targets, weights and z-loss of a token loss) and `model.loss_chunk` > 0, the
+    projection is fused with the loss (`ops.linear_cross_entropy`) and (loss, metrics) is returned
+    instead of the logits; with `loss` and loss_chunk 0, the same from the materialised logits."""
     cfg = self.cfg
+    if cfg.tie_embeddings and cfg.scale_tied_logits:
+      x = x * jnp.asarray(cfg.d_model**-0.5, x.dtype)
     if cfg.tie_embeddings:
-      if cfg.scale_tied_logits:
-        x = x * jnp.asarray(cfg.d_model**-0.5, x.dtype)
-      logits = embed.attend(x)
+      kernel = embed.embedding  # [v, e]
     else:
-      logits = DenseGeneral((cfg.d_model,), (cfg.vocab_size,), ("embed", "vocab"), use_bias=False,
-                            init_std=cfg.init_std, dtype=cfg.compute_dtype, name="lm_head")(x)
+      projection = DenseGeneral((cfg.d_model,), (cfg.vocab_size,), ("embed", "vocab"), use_bias=False,
+                                init_std=cfg.init_std, dtype=cfg.compute_dtype, name="lm_head")
+      kernel = projection(None, weights_only=True)[0]  # [e, v]
+    output_bias = None
     if bias:
-      logits = logits + self.param("output_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
-                                   (cfg.vocab_size,), jnp.float32).astype(logits.dtype)
-    return nn.with_logical_constraint(logits, ("act_batch", "act_length", "act_vocab")).astype(jnp.float32)
+      output_bias = self.param("output_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
+                               (cfg.vocab_size,), jnp.float32)
+    if loss is not None and cfg.loss_chunk:
+      head = ops.HeadWeights(kernel, output_bias, vocab_major=cfg.tie_embeddings)
+      return ops.linear_cross_entropy(x.astype(cfg.compute_dtype), head, loss.targets, loss.weights,
+                                      z_loss=loss.z_loss, chunk=cfg.loss_chunk)
+    logits = embed.attend(x) if cfg.tie_embeddings else projection(x)
+    if output_bias is not None:
+      logits = logits + output_bias.astype(logits.dtype)
+    logits = nn.with_logical_constraint(logits, ("act_batch", "act_length", "act_vocab")).astype(jnp.float32)
+    if loss is None:
+      return logits
+    return ops.weighted_cross_entropy(logits, loss.targets, loss.weights, z_loss=loss.z_loss)

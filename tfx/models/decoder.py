@@ -12,7 +12,8 @@ class Decoder(Family):
   """Decoder-only language model.
 
   `__call__(tokens, segment_ids, positions, *, train, decode, mask, return_hidden) -> logits [b, t, v]`
-  (or the final hidden states [b, t, e] with `return_hidden=True`, for classification heads).
+  (or the final hidden states [b, t, e] with `return_hidden=True`, for classification heads; or the
+  token loss and its metrics with `loss`, see `Family.lm_head`).
   tokens, segment_ids (0 = padding, 1..k = packed documents), positions: [b, t] int.
   mask: optional [b, 1|h, t, t] bool replacing the default causal-and-same-document mask
   (prefix-LM objectives pass theirs). With decode=True the block attention reads and
@@ -24,7 +25,7 @@ class Decoder(Family):
 
   @nn.compact
   def __call__(self, tokens, segment_ids, positions, *, train: bool = False, decode: bool = False, mask=None,
-               return_hidden: bool = False):
+               return_hidden: bool = False, loss: ops.TokenTargets | None = None):
     cfg = self.cfg
     embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=cfg.compute_dtype, name="token_embed")
     x = self.embed_inputs(embed, tokens, positions, train=train)  # [b, t, e]
@@ -35,7 +36,7 @@ class Decoder(Family):
       x = make_norm(cfg, "final_norm")(x)
     if return_hidden:
       return x  # [b, t, e]
-    return self.lm_head(embed, x)
+    return self.lm_head(embed, x, loss=loss)
 
   def sequence_hidden(self, tokens, segment_ids, positions, token_types=None, *, train: bool = False):
     """[b, t, e] final hidden states under the causal, same-document mask (token types unused)."""

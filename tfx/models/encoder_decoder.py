@@ -45,7 +45,7 @@ class EncoderDecoder(Family):
   @nn.compact
   def __call__(self, encoder_tokens, encoder_segment_ids, encoder_positions, decoder_tokens=None,
                decoder_segment_ids=None, decoder_positions=None, *, train: bool = False, decode: bool = False,
-               encoded=None):
+               encoded=None, loss: ops.TokenTargets | None = None):
     cfg = self.cfg
     embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=cfg.compute_dtype, name="token_embed")
     if encoded is None:
@@ -67,7 +67,7 @@ class EncoderDecoder(Family):
     if cfg.norm == "pre":
       x = make_norm(cfg, "decoder_final_norm")(x)
     x = nn.Dropout(cfg.dropout)(x, deterministic=not train)
-    return self.lm_head(embed, x)
+    return self.lm_head(embed, x, loss=loss)
 
   def _encode(self, embed, tokens, segment_ids, positions, train):
     cfg = self.cfg

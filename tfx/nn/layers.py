@@ -57,6 +57,7 @@ class ModelConfig:
   scan_unroll: int = 1  # layers per iteration of the scanned loop (0 = all: unrolled, parameters still stacked)
   remat: str = "none"
   attention: str = "auto"
+  loss_chunk: int = 0  # tokens per row per chunk of the fused output projection + loss (0 = logits materialised)
   init_std: float = 0.02
   norm_eps: float = 1e-6
 
@@ -127,14 +128,16 @@ class DenseGeneral(nn.Module):
   dtype: Dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array | None, *, weights_only: bool = False):
+    """[..., *in_shape] -> [..., *out_shape]; with `weights_only` (x unused, may be None) the
+    (kernel, bias or None) parameters themselves, for a caller that fuses the projection."""
     kernel = self.param(
         "kernel",
         nn.with_logical_partitioning(_init(self.init_std), self.axes),
         self.in_shape + self.out_shape,
         jnp.float32,
     )
-    y = flat_matmul(x.astype(self.dtype), kernel.astype(self.dtype), len(self.in_shape))
+    bias = None
     if self.use_bias:
       bias = self.param(
           "bias",
@@ -142,8 +145,10 @@ class DenseGeneral(nn.Module):
           self.out_shape,
           jnp.float32,
       )
-      y = y + bias.astype(self.dtype)
-    return y
+    if weights_only:
+      return kernel, bias
+    y = flat_matmul(x.astype(self.dtype), kernel.astype(self.dtype), len(self.in_shape))
+    return y if bias is None else y + bias.astype(self.dtype)
 
 
 class Embed(nn.Module):

@@ -46,7 +46,7 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tfx import flops
+from tfx import flops, ops
 from tfx.objectives import options as options_lib
 
 
@@ -224,6 +224,12 @@ class Objective:
   def raw_length(self, seq_len: int) -> int:
     """Raw tokens a packed row must hold for model sequence length `seq_len`."""
     return seq_len
+
+  def token_targets(self, targets: jax.Array, weights: jax.Array) -> ops.TokenTargets:
+    """What a model's `loss=` argument takes: the token loss of `targets` [b, t] weighted by
+    `weights` [b, t] with this objective's z-loss, computed by the model's head (fused with the
+    output projection when `model.loss_chunk` > 0; `Family.lm_head`)."""
+    return ops.TokenTargets(targets, weights.astype(jnp.float32), self.z_loss)
 
   def loss(self, model, params, batch: dict[str, jax.Array], rng: jax.Array, *, train: bool
            ) -> tuple[jax.Array, dict[str, Any]]:

@@ -53,16 +53,16 @@ class CausalLM(Objective):
   def bos_id(self) -> int:
     return self.ids.bos if self.ids.bos is not None else self.ids.eos
 
-  def _forward(self, model, params, batch, rng, *, train):
+  def _forward(self, model, params, batch, rng, *, train, loss=False):
+    """(logits [b, t, v], or with `loss` the token loss and its metrics; the model inputs)."""
     x = causal_lm_inputs(batch, self.bos_id)
-    logits = model.apply(
+    out = model.apply(
         {"params": params}, x["inputs"], batch["segment_ids"], batch["positions"],
-        train=train, rngs={"dropout": rng})  # [b, t, v]
-    return logits, x
+        train=train, rngs={"dropout": rng}, loss=self.token_targets(x["targets"], x["weights"]) if loss else None)
+    return out, x
 
   def loss(self, model, params, batch, rng, *, train):
-    logits, x = self._forward(model, params, batch, rng, train=train)
-    return ops.weighted_cross_entropy(logits, x["targets"], x["weights"], z_loss=self.z_loss)
+    return self._forward(model, params, batch, rng, train=train, loss=True)[0]
 
   def predictions(self, model, params, batch, rng):
     """Position i predicts raw token i from the tokens before it in its document."""

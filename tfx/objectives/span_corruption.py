@@ -220,17 +220,18 @@ def span_corrupt(
                            targets_length=targets_length)
 
 
-def seq2seq_logits(model, params, x: dict[str, jax.Array], rng: jax.Array, *, train: bool, start_id: int
-                   ) -> jax.Array:
+def seq2seq_logits(model, params, x: dict[str, jax.Array], rng: jax.Array, *, train: bool, start_id: int,
+                   loss: ops.TokenTargets | None = None):
   """[b, t, v] logits of an encoder-decoder on `inputs` / `targets` with their segment ids (the
-  `corrupt_with_mask` keys), teacher-forced: decoder input = targets shifted right, `start_id` first."""
+  `corrupt_with_mask` keys), teacher-forced: decoder input = targets shifted right, `start_id` first.
+  With `loss`, the token loss and its metrics instead (`Family.lm_head`)."""
   input_positions = jnp.arange(x["inputs"].shape[1]) * x["input_segment_ids"]  # [b, s]
   target_positions = jnp.arange(x["targets"].shape[1]) * x["target_segment_ids"]  # [b, t]
   decoder_inputs = shift_right_by_segment(x["targets"], x["target_segment_ids"], start_id)  # [b, t]
   return model.apply(
       {"params": params}, x["inputs"], x["input_segment_ids"], input_positions,
       decoder_inputs, x["target_segment_ids"], target_positions,
-      train=train, rngs={"dropout": rng})  # [b, t, v]
+      train=train, rngs={"dropout": rng}, loss=loss)  # [b, t, v]
 
 
 @OBJECTIVES.register("span_corruption")
@@ -285,15 +286,16 @@ class SpanCorruption(Objective):
         batch["tokens"], batch["segment_ids"], rng, ids=self.ids, noise_density=self.noise_density,
         mean_span_length=self.mean_span_length, inputs_length=max(self.inputs_length, need_inputs))
 
-  def _forward(self, model, params, batch, rng, *, train):
+  def _forward(self, model, params, batch, rng, *, train, loss=False):
+    """(logits [b, t, v], or with `loss` the token loss and its metrics; the corrupted batch)."""
     corrupt_rng, dropout_rng = jax.random.split(rng)
     x = self.corrupt(batch, corrupt_rng)
-    return seq2seq_logits(model, params, x, dropout_rng, train=train, start_id=self.ids.pad), x
+    weights = x["target_segment_ids"].astype(jnp.float32)  # [b, t]
+    targets = self.token_targets(x["targets"], weights) if loss else None
+    return seq2seq_logits(model, params, x, dropout_rng, train=train, start_id=self.ids.pad, loss=targets), x
 
   def loss(self, model, params, batch, rng, *, train):
-    logits, x = self._forward(model, params, batch, rng, train=train)
-    weights = x["target_segment_ids"].astype(jnp.float32)  # [b, t]
-    return ops.weighted_cross_entropy(logits, x["targets"], weights, z_loss=self.z_loss)
+    return self._forward(model, params, batch, rng, train=train, loss=True)[0]
 
   def predictions(self, model, params, batch, rng):
     """Target slot j predicts a noise token (sentinels and EOS: source -1) from the row's other

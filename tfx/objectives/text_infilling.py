@@ -264,17 +264,17 @@ class TextInfilling(Objective):
     x["kept"] = real & ~x["masked"]
     return x
 
-  def _logits(self, model, params, x, rng, train):
+  def _logits(self, model, params, x, rng, train, loss=None):
+    """[b, t, v] logits, or with `loss` the token loss and its metrics."""
     return model.apply(
         {"params": params}, x["encoder_tokens"], x["encoder_segment_ids"], x["encoder_positions"],
         x["decoder_tokens"], x["decoder_segment_ids"], x["decoder_positions"],
-        train=train, rngs={"dropout": rng})  # [b, t, v]
+        train=train, rngs={"dropout": rng}, loss=loss)  # [b, t, v]
 
   def loss(self, model, params, batch, rng, *, train):
     corrupt_rng, dropout_rng = jax.random.split(rng)
     x = self.inputs(batch, corrupt_rng)
-    logits = self._logits(model, params, x, dropout_rng, train)
-    return ops.weighted_cross_entropy(logits, x["targets"], x["weights"], z_loss=self.z_loss)
+    return self._logits(model, params, x, dropout_rng, train, self.token_targets(x["targets"], x["weights"]))
 
   def predictions(self, model, params, batch, rng):
     """Target j sees the kept tokens of its document (the encoder, itself included when kept) and

@@ -365,28 +365,30 @@ class UL2(Objective):
     return dict(x, weights=weights, stream=jnp.concatenate([x["inputs"], x["targets"]], axis=1),
                 first=x["inputs"].shape[1])
 
-  def _forward(self, model, params, batch, rng, *, train):
-    """(logits, model rows, corrupted batch): what `loss` and `predictions` share."""
+  def _forward(self, model, params, batch, rng, *, train, loss=False):
+    """(logits, model rows, corrupted batch): what `loss` and `predictions` share. With `loss`, the
+    token loss and its metrics in place of the logits."""
     cfg_family = getattr(getattr(model, "cfg", None), "family", None)
     if cfg_family and not family_matches(cfg_family, (self.layout,)):
       raise ValueError(f"objective.layout={self.layout!r} cannot drive model family {cfg_family!r}")
     corrupt_rng, dropout_rng = jax.random.split(rng)
     x = self.corrupt(batch, corrupt_rng)
     rows = self._rows(x, batch["tokens"].shape[1])
+    targets = self.token_targets(rows["targets"], rows["weights"]) if loss else None
     if self.layout == "decoder":
       segment_ids = rows["segment_ids"]
       positions = jnp.arange(segment_ids.shape[1])[None, :] * segment_ids  # [b, t]
       mask = ops.prefix_lm_mask(segment_ids, positions, rows["prefix"][:, None] + 1)  # [b, 1, t, t]
       logits = model.apply(
           {"params": params}, shift_right_by_segment(rows["tokens"], segment_ids, self.bos_id), segment_ids,
-          positions, mask=mask, train=train, rngs={"dropout": dropout_rng})  # [b, t, v]
+          positions, mask=mask, train=train, rngs={"dropout": dropout_rng}, loss=targets)  # [b, t, v]
     else:
-      logits = seq2seq_logits(model, params, x, dropout_rng, train=train, start_id=self.ids.pad)  # [b, t, v]
+      logits = seq2seq_logits(model, params, x, dropout_rng, train=train, start_id=self.ids.pad,
+                              loss=targets)  # [b, t, v]
     return logits, rows, corrupt_rng
 
   def loss(self, model, params, batch, rng, *, train):
-    logits, rows, _ = self._forward(model, params, batch, rng, train=train)
-    return ops.weighted_cross_entropy(logits, rows["targets"], rows["weights"], z_loss=self.z_loss)
+    return self._forward(model, params, batch, rng, train=train, loss=True)[0]
 
   def predictions(self, model, params, batch, rng) -> Predictions:
     """Slot j predicts targets[j] (decoder layout: row position j) and may see every raw token that

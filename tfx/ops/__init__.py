@@ -12,6 +12,6 @@ from tfx.ops.attention import (
     rows_attend,
     segment_mask,
 )
-from tfx.ops.losses import weighted_cross_entropy
+from tfx.ops.losses import HeadWeights, TokenTargets, linear_cross_entropy, weighted_cross_entropy
 from tfx.ops.norms import layer_norm, rms_norm
 from tfx.ops.positions import rotary, sinusoidal, t5_relative_buckets

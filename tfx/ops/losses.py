@@ -1,7 +1,12 @@
-"""Weighted cross-entropy and accuracy: the only loss arithmetic objectives need."""
+"""Weighted cross-entropy and accuracy: the only loss arithmetic objectives need, from logits or
+fused with the output projection (`linear_cross_entropy`)."""
+
+import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def weighted_cross_entropy(
@@ -42,3 +47,160 @@ def weighted_cross_entropy(
     metrics["z_loss"] = zl
     loss = loss + zl
   return loss, metrics
+
+
+class TokenTargets(NamedTuple):
+  """What a token loss needs besides the logits: targets [b, t] int, weights [b, t] float (0 = not
+  predicted), the z-loss coefficient."""
+
+  targets: jax.Array
+  weights: jax.Array
+  z_loss: float = 0.0
+
+
+class HeadWeights(NamedTuple):
+  """The output projection the fused loss applies: logits = x . kernel (+ bias).
+
+  kernel: [v, e] (a tied embedding table, `vocab_major=True`) or [e, v] (a separate projection).
+  bias: [v] or None.
+  """
+
+  kernel: jax.Array
+  bias: jax.Array | None
+  vocab_major: bool
+
+
+def _project(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, vocab_major: bool) -> jax.Array:
+  """[b, c, e] -> [b, c, v] float32 logits."""
+  dims = ((2,), (1,)) if vocab_major else ((2,), (0,))
+  logits = jax.lax.dot_general(x, kernel.astype(x.dtype), (dims, ((), ())), preferred_element_type=jnp.float32)
+  return logits if bias is None else logits + bias.astype(jnp.float32)
+
+
+def _chunked(a: jax.Array, chunk: int) -> jax.Array:
+  """[b, t, ...] -> [t / chunk, b, chunk, ...] (t a multiple of chunk)."""
+  b, t = a.shape[:2]
+  return jnp.moveaxis(a.reshape((b, t // chunk, chunk) + a.shape[2:]), 1, 0)
+
+
+def _unchunked(a: jax.Array) -> jax.Array:
+  """[n, b, chunk, ...] -> [b, n * chunk, ...]."""
+  a = jnp.moveaxis(a, 0, 1)
+  return a.reshape((a.shape[0], a.shape[1] * a.shape[2]) + a.shape[3:])
+
+
+def _chunk_sums(x, kernel, bias, targets, weights, z_loss, vocab_major, grads):
+  """One chunk: x [b, c, e], targets / weights [b, c] -> the chunk's weighted sums of ce, log(Z)^2 and
+  correct, and with `grads` the gradients of sum(w (ce + z_loss log(Z)^2)) for x, kernel and bias."""
+  logits = _project(x, kernel, bias, vocab_major)  # [b, c, v]
+  top = jnp.max(logits, axis=-1)  # [b, c]
+  exp = jnp.exp(logits - top[..., None])  # [b, c, v]
+  total = jnp.sum(exp, axis=-1)  # [b, c]
+  log_z = top + jnp.log(total)
+  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [b, c]
+  ce = log_z - target_logit  # [b, c]
+  sums = (jnp.sum(weights * ce), jnp.sum(weights * jnp.square(log_z)), jnp.sum(weights * (target_logit >= top)))
+  if not grads:
+    return sums, None
+  # d/dlogits of w (log Z - logit[target] + z log(Z)^2) = w ((1 + 2 z log Z) softmax - onehot)
+  scale = weights * (1.0 + 2.0 * z_loss * log_z) / total  # [b, c]
+  onehot = targets[..., None] == jnp.arange(logits.shape[-1], dtype=targets.dtype)  # [b, c, v]
+  d_logits = (exp * scale[..., None] - jnp.where(onehot, weights[..., None], 0.0)).astype(x.dtype)  # [b, c, v]
+  k = kernel.astype(x.dtype)
+  if vocab_major:  # kernel [v, e]
+    d_x = jnp.einsum("bcv,ve->bce", d_logits, k, preferred_element_type=jnp.float32)
+    d_kernel = jnp.einsum("bcv,bce->ve", d_logits, x, preferred_element_type=jnp.float32)
+  else:  # kernel [e, v]
+    d_x = jnp.einsum("bcv,ev->bce", d_logits, k, preferred_element_type=jnp.float32)
+    d_kernel = jnp.einsum("bce,bcv->ev", x, d_logits, preferred_element_type=jnp.float32)
+  d_bias = None if bias is None else jnp.sum(d_logits.astype(jnp.float32), axis=(0, 1))
+  d_weights = ce + z_loss * jnp.square(log_z)  # [b, c]: the loss is linear in the weights
+  return sums, (d_x.astype(x.dtype), d_kernel, d_bias, d_weights)
+
+
+def _fused_sums(x, kernel, bias, targets, weights, z_loss, chunk, vocab_major, grads):
+  """Scan `_chunk_sums` over the row's chunks; the head's gradients accumulate in float32."""
+  zeros = lambda a: None if a is None else jnp.zeros(a.shape, jnp.float32)
+
+  def body(carry, inputs):
+    sums, d_kernel, d_bias = carry
+    chunk_sums, chunk_grads = _chunk_sums(inputs[0], kernel, bias, inputs[1], inputs[2], z_loss, vocab_major, grads)
+    sums = tuple(a + b for a, b in zip(sums, chunk_sums))
+    if not grads:
+      return (sums, d_kernel, d_bias), None
+    d_x, chunk_d_kernel, chunk_d_bias, d_weights = chunk_grads
+    d_bias = None if bias is None else d_bias + chunk_d_bias
+    return (sums, d_kernel + chunk_d_kernel, d_bias), (d_x, d_weights)
+
+  init = ((jnp.zeros((), jnp.float32),) * 3, zeros(kernel) if grads else None, zeros(bias) if grads else None)
+  (sums, d_kernel, d_bias), per_chunk = jax.lax.scan(body, init, (_chunked(x, chunk), _chunked(targets, chunk),
+                                                            _chunked(weights, chunk)))
+  if not grads:
+    return sums, None
+  d_bias = None if bias is None else d_bias.astype(bias.dtype)
+  d_x, d_weights = (_unchunked(a) for a in per_chunk)
+  return sums, (d_x, d_kernel.astype(kernel.dtype), d_bias, d_weights)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _fused_loss(x, kernel, bias, targets, weights, z_loss, chunk, vocab_major):
+  sums, _ = _fused_sums(x, kernel, bias, targets, weights, z_loss, chunk, vocab_major, grads=False)
+  return sums[0] + z_loss * sums[1], sums
+
+
+def _fused_loss_fwd(x, kernel, bias, targets, weights, z_loss, chunk, vocab_major):
+  sums, grads = _fused_sums(x, kernel, bias, targets, weights, z_loss, chunk, vocab_major, grads=True)
+  return (sums[0] + z_loss * sums[1], sums), (grads, targets)
+
+
+def _fused_loss_bwd(z_loss, chunk, vocab_major, residuals, cotangents):
+  # The gradients were taken in the forward pass: the loss is a sum, its cotangent only scales them.
+  # The sums in the second output are metrics, stop_gradient'ed by the caller.
+  (d_x, d_kernel, d_bias, d_weights), targets = residuals
+  g = cotangents[0]
+  scale = lambda a: None if a is None else a * g.astype(a.dtype)
+  return (scale(d_x), scale(d_kernel), scale(d_bias), np.zeros(targets.shape, jax.dtypes.float0), scale(d_weights))
+
+
+_fused_loss.defvjp(_fused_loss_fwd, _fused_loss_bwd)
+
+
+def linear_cross_entropy(
+    x: jax.Array, head: HeadWeights, targets: jax.Array, weights: jax.Array, *, z_loss: float = 0.0,
+    chunk: int = 128,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """`weighted_cross_entropy` of the logits x . head, without materialising them.
+
+  The row is cut into chunks of `chunk` tokens; for each chunk the [b, chunk, v] logits, their
+  loss and (under differentiation) their gradient with respect to x and the head are computed and
+  dropped, the head's gradient summed over the chunks in float32. The full [b, t, v] logits and
+  their gradient never exist: their memory becomes [b, chunk, v], and no matmul is repeated (the
+  gradients are taken in the forward pass, as the loss is a weighted sum whose cotangent only
+  scales them). Every input but the targets gets the gradient autodiff would give it.
+
+  Args:
+    x: [b, t, e] final hidden states (the compute dtype; logits and loss are float32).
+    head: the projection (kernel [v, e] or [e, v], optional bias [v]).
+    targets: [b, t] int; weights: [b, t] float, 0 for tokens not predicted.
+    z_loss: coefficient of log(Z)^2, as in `weighted_cross_entropy`.
+    chunk: tokens per row per chunk; t is padded (with weight 0) to a multiple of it.
+  Returns:
+    (loss, metrics) exactly as `weighted_cross_entropy` (to float32 rounding).
+  """
+  t = x.shape[1]
+  chunk = max(1, min(chunk, t))
+  pad = -t % chunk
+  weights = weights.astype(jnp.float32)
+  if pad:
+    x = jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    weights = jnp.pad(weights, ((0, 0), (0, pad)))
+  objective, sums = _fused_loss(x, head.kernel, head.bias, targets, weights, float(z_loss), chunk,
+                                bool(head.vocab_major))
+  ce_sum, log_z_sq_sum, correct_sum = jax.lax.stop_gradient(sums)
+  total = jnp.sum(weights)
+  denom = jnp.maximum(total, 1.0)
+  metrics = {"loss": ce_sum / denom, "accuracy": correct_sum / denom, "num_tokens": total}
+  if z_loss:
+    metrics["z_loss"] = z_loss * log_z_sq_sum / denom
+  return objective / denom, metrics
