@@ -129,6 +129,38 @@ def _grouped(x: jax.Array | None, kv_heads: int) -> jax.Array | None:
 RESIDUAL_NAMES = ("attention_probs", "attention_inv_sum", "attention_out")
 
 
+# The attention's matmuls as batched dot_generals over (batch, kv head) with the output in the
+# layout its consumer reads: jnp.einsum may order the operands so that the [b, k, g, t, s] scores
+# come out key-major and are then transposed in a copy of the whole tensor (on XLA:CPU, a copy
+# fused into the mask select of every layer, forward and backward).
+_F32 = jnp.float32
+
+
+def _qk(x: jax.Array, y: jax.Array) -> jax.Array:
+  """x [b, t, k, g, d] . y [b, s, k, d] over d -> [b, k, g, t, s] float32 (scores, dP)."""
+  b, t, kh, g, d = x.shape
+  x = jnp.transpose(x, (0, 2, 3, 1, 4)).reshape(b, kh, g * t, d)  # [b, k, g*t, d]
+  out = jax.lax.dot_general(x, y, (((3,), (3,)), ((0, 1), (0, 2))), preferred_element_type=_F32)  # [b, k, g*t, s]
+  return out.reshape(b, kh, g, t, -1)
+
+
+def _pv(p: jax.Array, y: jax.Array) -> jax.Array:
+  """p [b, k, g, t, s] . y [b, s, k, d] over s -> [b, t, k, g, d] float32 (output, dQ)."""
+  b, kh, g, t, s = p.shape
+  out = jax.lax.dot_general(p.reshape(b, kh, g * t, s), y, (((3,), (1,)), ((0, 1), (0, 2))),
+                            preferred_element_type=_F32)  # [b, k, g*t, d]
+  return jnp.transpose(out.reshape(b, kh, g, t, -1), (0, 3, 1, 2, 4))
+
+
+def _ptx(p: jax.Array, x: jax.Array) -> jax.Array:
+  """p [b, k, g, t, s] . x [b, t, k, g, d] over (g, t) -> [b, s, k, d] float32 (dV, dK)."""
+  b, kh, g, t, s = p.shape
+  x = jnp.transpose(x, (0, 2, 3, 1, 4)).reshape(b, kh, g * t, -1)  # [b, k, g*t, d]
+  out = jax.lax.dot_general(p.reshape(b, kh, g * t, s), x, (((2,), (2,)), ((0, 1), (0, 1))),
+                            preferred_element_type=_F32)  # [b, k, s, d]
+  return jnp.transpose(out, (0, 2, 1, 3))
+
+
 def _scores(q, k, mask, bias, scale):
   """Masked scores [b, k, g, t, s] (float32), the scale applied to q in float32 (t*d products,
   not t*s) and in float32 after the matmul otherwise."""
@@ -137,7 +169,7 @@ def _scores(q, k, mask, bias, scale):
   if q.dtype == jnp.float32:
     q = q * jnp.float32(scale)
   qg = q.reshape(b, t, kh, h // kh, d)  # [b, t, k, g, d]
-  s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+  s = _qk(qg, k)  # [b, k, g, t, s]
   if q.dtype != jnp.float32:
     s = s * jnp.float32(scale)
   if bias is not None:
@@ -158,7 +190,7 @@ def _softmax_attention_fwd(q, k, v, mask, bias, scale):
   p = jnp.where(top > 0.5 * MASK_VALUE, jnp.exp(s - top), 0.0)
   total = jnp.sum(p, axis=-1)  # [b, k, g, t]: 0 for such a row, else >= 1 (the max gives exp(0))
   inv_l = jnp.where(total > 0.0, 1.0 / jnp.maximum(total, 1.0), 0.0)
-  out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  out = _pv(p.astype(v.dtype), v)  # [b, t, k, g, d]
   out = out * jnp.moveaxis(inv_l, 3, 1)[..., None]  # [b, t, k, g, d]
   p, inv_l, out = (checkpoint_name(x, n) for x, n in zip((p, inv_l, out), RESIDUAL_NAMES))
   return out.reshape(b, t, h, d).astype(q.dtype), (q, k, v, bias, p, inv_l, out)
@@ -187,8 +219,8 @@ def _softmax_attention_bwd(scale, residuals, d_out):
   kh = k.shape[2]
   # dS = P * (dP - rowsum(dO * O)) with P = p / l: fold 1/l into dO once ([b, t, k, g, d]).
   d_out = d_out.reshape(b, t, kh, h // kh, d).astype(jnp.float32) * jnp.moveaxis(inv_l, 3, 1)[..., None]
-  d_v = jnp.einsum("bkgts,btkgd->bskd", p.astype(v.dtype), d_out.astype(v.dtype), preferred_element_type=jnp.float32)
-  d_p = jnp.einsum("btkgd,bskd->bkgts", d_out.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  d_v = _ptx(p.astype(v.dtype), d_out.astype(v.dtype))  # [b, s, k, d]
+  d_p = _qk(d_out.astype(v.dtype), v)  # [b, k, g, t, s]
   row = jnp.moveaxis(jnp.sum(d_out * out, axis=-1), 1, 3)  # [b, k, g, t]
   d_s = p * (d_p - row[..., None])  # [b, k, g, t, s]; 0 wherever the mask is False (p is 0 there)
   d_bias = None
@@ -196,9 +228,8 @@ def _softmax_attention_bwd(scale, residuals, d_out):
     d_bias = d_s.reshape(b, h, t, -1)
     d_bias = jnp.sum(d_bias, axis=tuple(i for i in (0, 1) if bias.shape[i] == 1), keepdims=True).astype(bias.dtype)
   d_s = d_s.astype(q.dtype)  # the dQ / dK matmuls in the compute dtype
-  d_q = jnp.einsum("bkgts,bskd->btkgd", d_s, k, preferred_element_type=jnp.float32).reshape(b, t, h, d) * scale
-  qg = q.reshape(b, t, kh, h // kh, d)
-  d_k = jnp.einsum("bkgts,btkgd->bskd", d_s, qg, preferred_element_type=jnp.float32) * scale
+  d_q = _pv(d_s, k).reshape(b, t, h, d) * scale
+  d_k = _ptx(d_s, q.reshape(b, t, kh, h // kh, d)) * scale
   return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None, d_bias
 
 
