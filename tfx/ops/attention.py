@@ -153,12 +153,13 @@ def _pv(p: jax.Array, y: jax.Array) -> jax.Array:
 
 
 def _ptx(p: jax.Array, x: jax.Array) -> jax.Array:
-  """p [b, k, g, t, s] . x [b, t, k, g, d] over (g, t) -> [b, s, k, d] float32 (dV, dK)."""
+  """p [b, k, g, t, s] . x [b, t, k, g, d] over (g, t) -> [b, s, k, d] float32 (dV, dK), computed
+  as x^T . p, [b, k, d, g*t] . [b, k, g*t, s]: the small operand is the transposed one."""
   b, kh, g, t, s = p.shape
-  x = jnp.transpose(x, (0, 2, 3, 1, 4)).reshape(b, kh, g * t, -1)  # [b, k, g*t, d]
-  out = jax.lax.dot_general(p.reshape(b, kh, g * t, s), x, (((2,), (2,)), ((0, 1), (0, 1))),
-                            preferred_element_type=_F32)  # [b, k, s, d]
-  return jnp.transpose(out, (0, 2, 1, 3))
+  x = jnp.transpose(x, (0, 2, 4, 3, 1)).reshape(b, kh, -1, g * t)  # [b, k, d, g*t]
+  out = jax.lax.dot_general(x, p.reshape(b, kh, g * t, s), (((3,), (2,)), ((0, 1), (0, 1))),
+                            preferred_element_type=_F32)  # [b, k, d, s]
+  return jnp.transpose(out, (0, 3, 1, 2))
 
 
 def _scores(q, k, mask, bias, scale):
