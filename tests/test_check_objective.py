@@ -45,10 +45,12 @@ LEAKS = textwrap.dedent('''
     class UnshiftedCausalLM(CausalLM):
       """Feeds the targets themselves: inputs shifted one token too few."""
 
-      def _forward(self, model, params, batch, rng, *, train):
-        logits = model.apply({"params": params}, batch["tokens"], batch["segment_ids"], batch["positions"],
-                             train=train, rngs={"dropout": rng})
-        return logits, {"targets": batch["tokens"], "weights": (batch["segment_ids"] > 0).astype(jnp.float32)}
+      def _forward(self, model, params, batch, rng, *, train, loss=False):
+        x = {"targets": batch["tokens"], "weights": (batch["segment_ids"] > 0).astype(jnp.float32)}
+        out = model.apply({"params": params}, batch["tokens"], batch["segment_ids"], batch["positions"],
+                          train=train, rngs={"dropout": rng},
+                          loss=self.token_targets(x["targets"], x["weights"]) if loss else None)
+        return out, x
 
 
     @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
     make bench-peer                                  # creates benchmarks/.venv-peer and runs this
     benchmarks/.venv-peer/bin/python benchmarks/hf_flax/bench_peer.py [--models gpt2,bert,t5]
-        [--sizes small,medium] [--reps 10] [--json out.json]
+        [--sizes small,medium,deep] [--reps 10] [--json out.json]
 
 For each model and size it builds the model in tfx from a config, exports tfx's initial weights
 with tfx's own converter (`tfx.convert.to_hf`: config.json + model.safetensors) and loads them into
@@ -53,10 +53,13 @@ MODELS = {
     "bert": ("configs/bert_base.py", []),
     "t5": ("configs/t5_base.py", []),
 }
-# size -> (layers, d_model, heads, d_ff, seq_len, batch, vocab)
+# size -> (layers, d_model, heads, d_ff, seq_len, batch, vocab). `deep` is `medium` at GPT-2-small's
+# depth: what a scanned stack (tfx) and unrolled layers (HF) do to compile time and memory as
+# layers are added.
 SIZES = {
     "small": (2, 128, 4, 512, 128, 8, 8192),
     "medium": (4, 256, 4, 1024, 256, 8, 8192),
+    "deep": (12, 256, 4, 1024, 256, 8, 8192),
 }
 
 
@@ -227,7 +230,7 @@ def table(results: list[dict]) -> str:
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--models", default="gpt2,bert,t5")
-  parser.add_argument("--sizes", default="small,medium")
+  parser.add_argument("--sizes", default="small,medium,deep")
   parser.add_argument("--reps", type=int, default=10, help="timed steps per side (interleaved)")
   parser.add_argument("--json", default=None)
   parser.add_argument("--tfx-override", action="append", default=[],

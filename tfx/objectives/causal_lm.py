@@ -19,7 +19,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from tfx import ops
 from tfx.objectives.base import Objective, Predictions, causal_visible, flat_positions
 from tfx.registry import OBJECTIVES
 
