@@ -139,9 +139,9 @@ class Family(nn.Module):
     projection is fused with the loss (`ops.linear_cross_entropy`) and (loss, metrics) is returned
     instead of the logits; with `loss` and loss_chunk 0, the same from the materialised logits."""
     cfg = self.cfg
-    if cfg.tie_embeddings and cfg.scale_tied_logits:
-      x = x * jnp.asarray(cfg.d_model**-0.5, x.dtype)
     if cfg.tie_embeddings:
+      if cfg.scale_tied_logits:
+        x = x * jnp.asarray(cfg.d_model**-0.5, x.dtype)
       kernel = embed.embedding  # [v, e]
     else:
       projection = DenseGeneral((cfg.d_model,), (cfg.vocab_size,), ("embed", "vocab"), use_bias=False,
