@@ -46,7 +46,8 @@ class Attention(nn.Module):
       q_segment_ids: jax.Array | None = None,
       bias: jax.Array | None = None,
   ) -> jax.Array:
-    """Attends x_q [b, t, e] over x_kv [b, s, e] with mask [b, 1|h, t, s]; returns [b, t, e]."""
+    """Attends x_q [b, t, e] over x_kv [b, s, e] with mask [b, 1|h, t, s] (or an
+    `ops.SegmentMask`); returns [b, t, e]."""
     cfg = self.cfg
     h, d, e = cfg.num_heads, cfg.head_dim, cfg.d_model
     proj = lambda axes, name: DenseGeneral(
@@ -67,7 +68,7 @@ class Attention(nn.Module):
     scale = d**-0.5 if cfg.scale_attention else 1.0
     dropout = cfg.attention_dropout if not self.deterministic else 0.0
     if dropout > 0.0:
-      out = _reference_with_dropout(q, k, v, mask, bias, scale, dropout, self.make_rng("dropout"))
+      out = _reference_with_dropout(q, k, v, ops.dense_mask(mask), bias, scale, dropout, self.make_rng("dropout"))
     else:
       out = ops.dot_product_attention(q, k, v, mask=mask, bias=bias, scale=scale, implementation=cfg.attention)
     out = constrain(out, ("act_batch", "act_length", "act_heads", "act_kv"))  # [b, t, h, d]

@@ -69,7 +69,8 @@ class Generator(nn.Module):
       x = DenseGeneral((e,), (cfg.d_model,), ("embed", "mlp"), init_std=cfg.init_std, dtype=cfg.compute_dtype,
                        name="embed_project")(x)  # [b, t, g]
     x = Stack(cfg, cfg.num_layers, deterministic=not train, name="encoder")(
-        x, ops.segment_mask(segment_ids), positions, segment_ids, None)  # [b, t, g]
+        x, ops.self_attention_mask(segment_ids, causal=False, implementation=cfg.attention), positions, segment_ids,
+        None)  # [b, t, g]
     if cfg.norm == "pre":
       x = make_norm(cfg, "final_norm")(x)
     act = activation("gelu" if cfg.mlp in GATED else cfg.mlp)

@@ -6,11 +6,14 @@ Dimension letters used in shapes and einsums throughout tfx:
 
 A mask is boolean, `True` = the query may attend to the key, shaped [b, 1|h, t, s]
 (the head axis broadcasts). `jax.nn.dot_product_attention` has no segment-id argument, so
-packing, padding, causality and prefix-LM are all expressed as such a mask. A query row with
+packing, padding, causality and prefix-LM are all expressed as such a mask. The one exception
+is `SegmentMask`: a packed row's self-attention given by its segment ids, which the Pallas flash
+kernel (`model.attention=pallas`) reads without building the [b, 1, t, t] array. A query row with
 no allowed key would silently softmax to the mean of V (a leak); `assert_rows_attend` and
 the `guard` of `dot_product_attention` make that an error or exact zeros.
 """
 
+import dataclasses
 import functools
 import logging
 from typing import Literal
@@ -19,7 +22,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-Implementation = Literal["auto", "xla", "cudnn", "reference"]
+from tfx.ops import flash
+
+Implementation = Literal["auto", "xla", "cudnn", "pallas", "reference"]
 
 # Large finite negative for masked scores (not -inf, so fully masked rows do not give NaN).
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -65,6 +70,39 @@ def decoder_mask(segment_ids: jax.Array) -> jax.Array:
   """[b, 1, t, t]: causal, within the same packed document, never padding."""
   t = segment_ids.shape[-1]
   return causal_mask(t) & segment_mask(segment_ids)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["segment_ids"], meta_fields=["causal"])
+@dataclasses.dataclass(frozen=True)
+class SegmentMask:
+  """A packed row's self-attention mask given by its segment ids [b, t] instead of [b, 1, t, t].
+
+  Query i may attend key j when both are in the same segment, neither is padding (segment 0)
+  and, when `causal`, j <= i: `dense()` is `decoder_mask` (causal) or `segment_mask`. A kernel
+  that takes segment ids (`model.attention=pallas`) never builds the array; every other path
+  attends with `dense()`. A pytree (the ids are its leaf, `causal` is static), so it passes
+  through scan and remat as the dense mask does.
+  """
+
+  segment_ids: jax.Array  # [b, t] int
+  causal: bool = False
+
+  def dense(self) -> jax.Array:
+    """[b, 1, t, t] bool."""
+    return decoder_mask(self.segment_ids) if self.causal else segment_mask(self.segment_ids)
+
+
+def self_attention_mask(segment_ids: jax.Array, *, causal: bool, implementation: str) -> "jax.Array | SegmentMask":
+  """The mask that every self-attention layer of a family shares: a `SegmentMask` for
+  `model.attention=pallas` (its kernel reads the ids), the [b, 1, t, t] array otherwise (built
+  once per step and read by every layer)."""
+  mask = SegmentMask(segment_ids, causal)
+  return mask if implementation == "pallas" else mask.dense()
+
+
+def dense_mask(mask: "jax.Array | SegmentMask | None") -> jax.Array | None:
+  """[b, 1|h, t, s] bool, or None: a `SegmentMask` as its array, any other mask unchanged."""
+  return mask.dense() if isinstance(mask, SegmentMask) else mask
 
 
 def rows_attend(mask: jax.Array) -> jax.Array:
@@ -252,18 +290,22 @@ def _log_choice(impl: str, why: str) -> None:
 
 
 def choose_implementation(implementation: Implementation, dtype, head_dim: int) -> tuple[str, str]:
-  """(kernel, reason): which attention kernel runs and why.
+  """(kernel, reason): which attention kernel runs and why, from the config and the inputs' dtype.
 
   'auto' is cuDNN's fused kernel on a GPU for bf16/fp16 inputs with a head dim it supports
   (<= 128, a multiple of 8), XLA's einsum attention otherwise. An explicit 'cudnn' that cannot
-  run here (no GPU, fp32 inputs, head dim) falls back to XLA instead of failing.
+  run here (no GPU, fp32 inputs, head dim) falls back to XLA instead of failing, and so does an
+  explicit 'pallas' off a GPU (`dot_product_attention` also sends it to XLA for a mask or bias
+  its kernel cannot take: `tfx.ops.flash.unsupported`).
   """
   if implementation in ("xla", "reference"):
     return implementation, "model.attention"
-  if implementation not in ("auto", "cudnn"):
-    raise ValueError(f"unknown model.attention {implementation!r}; choose auto, xla, cudnn or reference")
+  if implementation not in ("auto", "cudnn", "pallas"):
+    raise ValueError(f"unknown model.attention {implementation!r}; choose auto, xla, cudnn, pallas or reference")
   if not _on_gpu():
     return "xla", f"no GPU (backend {jax.default_backend()})"
+  if implementation == "pallas":
+    return "pallas", "GPU, segment ids"
   if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
     return "xla", f"cuDNN needs bf16/fp16 inputs, got {jnp.dtype(dtype).name} (model.dtype)"
   if head_dim > 128 or head_dim % 8:
@@ -286,11 +328,13 @@ def dot_product_attention(
 
   Args:
     q: [b, t, h, d]; k, v: [b, s, k, d].
-    mask: bool [b|1, h|1, t, s], True = may attend.
+    mask: bool [b|1, h|1, t, s], True = may attend, or a `SegmentMask` (a packed row's
+      self-attention: the 'pallas' kernel reads its ids, every other path its `dense()` array).
     bias: float [b|1, h|1, t, s] added to the scores (relative positions, ...).
     scale: score scale, default 1/sqrt(d).
-    implementation: 'auto' | 'xla' | 'cudnn' | 'reference' (see `choose_implementation`; the
-      kernel chosen is logged once, on the `tfx.attention` logger, with the reason).
+    implementation: 'auto' | 'xla' | 'cudnn' | 'pallas' | 'reference' (see
+      `choose_implementation`; the kernel chosen is logged once, on the `tfx.attention` logger,
+      with the reason).
     guard: zero the output of query rows that have no allowed key, instead of the mean of V
       that the softmax over a fully masked row would give. Such rows are padding queries
       (their loss weight is 0); the guard makes sure nothing leaks through them. The XLA path
@@ -299,6 +343,14 @@ def dot_product_attention(
     [b, t, h, d] in q's dtype.
   """
   impl, why = choose_implementation(implementation, q.dtype, q.shape[-1])
+  if impl == "pallas":
+    refused = flash.unsupported(q, k, mask, bias)
+    if refused is None:
+      _log_choice(impl, why)
+      scale = q.shape[-1] ** -0.5 if scale is None else scale
+      return flash.flash_attention(q, k, v, mask.segment_ids, causal=mask.causal, scale=scale)
+    impl, why = "xla", f"Pallas flash attention refused: {refused}"
+  mask = dense_mask(mask)
   if impl == "reference":
     out = reference_attention(q, k, v, mask=mask, bias=bias, scale=scale)
   else:

@@ -1,0 +1,80 @@
+"""Flash attention over packed rows from their segment ids (`model.attention=pallas`).
+
+The kernel is JAX's own Pallas flash attention for GPUs (`jax.experimental.pallas.ops.gpu.
+attention.mha`, lowered through Triton): a tiled online softmax with its own backward kernels,
+which takes the causal flag and one [b, t] segment-id array and so never builds a [b, h, t, t]
+mask or keeps [b, h, t, t] probabilities. It covers a family's self-attention over packed rows
+(`SegmentMask`: GPT-style causal, BERT-style bidirectional); masks it cannot express (prefix LM,
+cross attention, two streams, a bias) go to XLA's attention (`tfx.ops.dot_product_attention`
+decides and logs why).
+
+Off a GPU the same kernel runs in Pallas' interpreter (slow, exact): that is how the tests check
+it against the reference attention on CPU.
+"""
+
+import jax
+import jax.numpy as jnp
+
+# Query / key block lengths tried, largest first; a row length must be a multiple of one.
+BLOCKS = (128, 64, 32, 16)
+# The backward kernels' blocks (Pallas' defaults): smaller, as they hold dK, dV (or dQ) too.
+BACKWARD_BLOCK = 32
+
+
+def block_length(t: int) -> int | None:
+  """The largest block in BLOCKS that divides t, or None (the kernel cannot run on t)."""
+  return next((b for b in BLOCKS if t % b == 0), None)
+
+
+def unsupported(q: jax.Array, k: jax.Array, mask, bias) -> str | None:
+  """Why the flash kernel cannot compute this attention (a short reason), or None if it can."""
+  from tfx.ops.attention import SegmentMask  # noqa: PLC0415  (attention imports this module)
+
+  if not isinstance(mask, SegmentMask):
+    return "it needs the segment-id self-attention mask of a family; this one is a dense mask"
+  if bias is not None:
+    return "it takes no attention bias"
+  if q.shape[1] != k.shape[1]:
+    return f"it needs self-attention, got {q.shape[1]} queries over {k.shape[1]} keys"
+  if block_length(q.shape[1]) is None:
+    return f"the row length {q.shape[1]} is not a multiple of {BLOCKS[-1]}"
+  if q.shape[2] % k.shape[2]:
+    return f"{q.shape[2]} query heads do not group over {k.shape[2]} key/value heads"
+  return None
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool,
+                    scale: float, interpret: bool | None = None) -> jax.Array:
+  """Attention of each token over the tokens of its own segment (and, when `causal`, at or before
+  it); padding (segment 0) queries give zeros.
+
+  Args:
+    q: [b, t, h, d]; k, v: [b, t, k, d] (k divides h: grouped-query heads are repeated).
+    segment_ids: [b, t] int, 0 = padding.
+    causal: whether key j > query i is masked.
+    scale: the score scale.
+    interpret: run Pallas' interpreter instead of compiling the kernel; default: off a GPU.
+
+  Returns:
+    [b, t, h, d] in q's dtype, equal to `softmax_attention` with `SegmentMask(segment_ids,
+    causal).dense()`.
+  """
+  from jax.experimental.pallas.ops.gpu import attention as pallas_attention  # noqa: PLC0415  (only when used)
+
+  b, t, h, d = q.shape
+  block = block_length(t)
+  if block is None:
+    raise ValueError(f"flash attention needs a row length that is a multiple of {BLOCKS[-1]}, got {t}")
+  if k.shape[2] != h:  # grouped-query heads: each key/value head serves h // k query heads
+    k = jnp.repeat(k, h // k.shape[2], axis=2)  # [b, t, h, d]
+    v = jnp.repeat(v, h // v.shape[2], axis=2)  # [b, t, h, d]
+  back = min(block, BACKWARD_BLOCK)
+  sizes = pallas_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=back, block_kv_dkv=back,
+                                      block_q_dq=back, block_kv_dq=back)
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  out = pallas_attention.mha(q, k, v, segment_ids.astype(jnp.int32), sm_scale=float(scale), causal=causal,
+                             block_sizes=sizes, interpret=interpret)  # [b, t, h, d]
+  # The kernel lets padding queries attend padding keys (both segment 0): zero them, as the mask
+  # allows them nothing (their zero cotangent also keeps them out of dK and dV).
+  return jnp.where((segment_ids > 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
