@@ -36,6 +36,22 @@ def test_benchmark_reports_throughput(result):
   json.dumps(result)  # plain numbers and strings only
 
 
+def test_result_names_the_attention_kernel_that_ran(result):
+  """The benchmark reports the attention kernel the compiled step runs (recorded while tracing,
+  not the first-time-only log): XLA's on this CPU for the default config."""
+  assert result["attention"] == f"xla (no GPU (backend {jax.default_backend()}))"
+  assert "attention" in bench.format_table(result)
+
+
+def test_attention_summary_counts_mixed_kernels():
+  """One kernel: its name and reason; several (a family whose self-attention takes the fused
+  kernel and whose cross or prefix-LM attention falls back): each with its call-site count."""
+  assert bench.attention_summary([]) == "none"
+  assert bench.attention_summary([("cudnn", "GPU, bfloat16")] * 3) == "cudnn (GPU, bfloat16)"
+  mixed = [("pallas", "GPU, segment ids"), ("xla", "refused: bias"), ("pallas", "GPU, segment ids")]
+  assert bench.attention_summary(mixed) == "pallas x2 (GPU, segment ids) + xla x1 (refused: bias)"
+
+
 def test_mfu_is_not_applicable_on_cpu(result):
   assert jax.devices()[0].platform == "cpu"
   assert result["mfu"] is None and result["peak_tflops_per_device"] is None
@@ -207,3 +223,26 @@ def test_accelerator_suite_runs_tiny_on_cpu(tmp_path, capsys):
   assert "objective share" in table and "gpt2_small compile: 2 layers" in table
   with pytest.raises(SystemExit, match="unknown model"):
     bench.main(["--suite", "accel", "--tiny", "--only", "gpt3"])
+
+
+@pytest.mark.slow
+def test_accelerator_suite_sweeps_a_setting(tmp_path, capsys):
+  """`--suite accel --sweep model.attention=xla,reference --config.model.remat=none`: the overrides
+  reach every model, one run of the suite per swept value, each reporting the kernel that ran;
+  the attention kernel changes the step, not the loss. A bad value stops it before compiling."""
+  path = tmp_path / "sweep.json"
+  bench.main(["--suite", "accel", "--tiny", "--only", "bert_base", "--steps", "1", "--warmup", "0",
+              "--sweep", "model.attention=xla,reference", "--config.model.remat=none", "--json", str(path)])
+  out = json.loads(path.read_text())
+  assert out["sweep"] == "model.attention=xla,reference"
+  runs = out["runs"]
+  assert [r["overrides"] for r in runs] == [["model.remat=none", "model.attention=xla"],
+                                            ["model.remat=none", "model.attention=reference"]]
+  (xla,), (ref,) = (r["models"] for r in runs)
+  assert xla["attention"].startswith("xla (") and ref["attention"] == "reference (model.attention)"
+  assert xla["loss"] == pytest.approx(ref["loss"], rel=2e-2)  # bf16 compute, two attention kernels
+  assert capsys.readouterr().out.count("model.attention=") == 2
+  with pytest.raises(SystemExit, match="model.attention='flash'"):
+    bench.main(["--suite", "accel", "--tiny", "--only", "bert_base", "--sweep", "model.attention=xla,flash"])
+  with pytest.raises(SystemExit, match="--config.KEY=VALUE"):
+    bench.main(["--suite", "accel", "--tiny", "--config.model.remat", "none"])

@@ -3,6 +3,7 @@
     python -m tfx.bench --config configs/base.py [--config.k=v ...] [--steps 10 --warmup 2 --json out.json]
     python -m tfx.bench --config configs/base.py --sweep model.remat=none,full,dots_saveable
     python -m tfx.bench --suite accel [--tiny] [--batch ROWS_PER_DEVICE] [--only gpt2_small,...]
+        [--config.k=v ...] [--sweep model.attention=cudnn,pallas,xla]
 
 The model, objective, optimizer, sharded state and jitted train step are built exactly as
 `tfx.train` builds them; only the data is synthetic (random token rows of the objective's raw
@@ -16,6 +17,7 @@ Numbers:
   flops_per_token, model_tflops_per_s: model FLOPs (tfx.flops, PaLM appendix B) and their rate
   mfu            model FLOP/s / (peak FLOP/s per device * devices); None where the peak is
                  unknown (CPU)
+  attention      the attention kernel(s) the compiled step runs and why (recorded while tracing)
 """
 
 import argparse
@@ -30,7 +32,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from tfx import config as config_lib, flops, parallel
+from tfx import config as config_lib, flops, ops, parallel
 from tfx.errors import UserError
 from tfx.models import build_model
 from tfx.objectives import SpecialIds
@@ -145,7 +147,7 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
   host = synthetic_batch(local_rows, row_length, exp.model.cfg.vocab_size, seed=config.train.seed + jax.process_index())
   batch = parallel.global_batch(host, exp.mesh)
 
-  with compile_timer() as compiled, parallel.context(exp.mesh):
+  with compile_timer() as compiled, ops.recorded_choices() as chosen, parallel.context(exp.mesh):
     start = time.perf_counter()
     frozen = train_step.frozen  # the objective's frozen inputs (a teacher), None for most
     executable = train_step.jitted.lower(state, batch, frozen).compile()
@@ -192,8 +194,22 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
       "peak_memory_bytes": peak_memory_bytes(),
       "temp_memory_bytes": int(memory.temp_size_in_bytes) if memory is not None else None,
       "loss": float(jax.device_get(metrics["loss"])),
+      "attention": attention_summary(chosen),
       **more,
   }
+
+
+def attention_summary(chosen: list[tuple[str, str]]) -> str:
+  """The attention kernels of a compiled step, from `ops.recorded_choices`: 'kernel (why)' when
+  every attention call site took the same one, else each with its count of call sites (a scanned
+  stack is one site), e.g. 'pallas x1 (GPU, segment ids) + xla x2 (Pallas flash attention
+  refused: ...)'; 'none' for a step without attention."""
+  counts: dict[tuple[str, str], int] = {}
+  for choice in chosen:
+    counts[choice] = counts.get(choice, 0) + 1
+  if len(counts) <= 1:
+    return next((f"{impl} ({why})" for impl, why in counts), "none")
+  return " + ".join(f"{impl} x{n} ({why})" for (impl, why), n in counts.items())
 
 
 def format_table(r: dict[str, Any]) -> str:
@@ -205,6 +221,7 @@ def format_table(r: dict[str, Any]) -> str:
       ("model", f"{r['config_family']} + {r['objective']}, {r['parameters']:,} parameters"),
       ("devices", f"{r['device_count']} x {r['device_kind']}, mesh {r['mesh']}"),
       ("batch", f"{r['batch_size']} rows x {r['row_length']} tokens (seq_len {r['seq_len']})"),
+      ("attention", r["attention"]),
       ("compile", f"{r['compile_s']:.2f} s (first call {r['first_call_s']:.2f} s)"),
       ("step", f"{1e3 * r['step_s']:.1f} ms (median of {len(r['step_s_all'])})"),
       ("tokens/s", f"{r['tokens_per_s']:,.0f}"),
@@ -296,8 +313,11 @@ def suite_main(args, overrides: list[str]) -> None:
 
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   try:
-    if overrides:
-      raise UserError(f"--suite takes no config overrides (got {' '.join(overrides)}); use --config for one config")
+    bad = [o for o in overrides if not (o.startswith("--config.") and "=" in o)]
+    if bad:
+      raise UserError(f"--suite takes config overrides as --config.KEY=VALUE (applied to every model), got "
+                      f"{' '.join(bad)}")
+    fields = tuple(o.removeprefix("--config.") for o in overrides)
     if not os.path.isdir(os.path.join(root, "configs")):
       raise UserError(f"the suite reads the repository's configs/, not found next to {root}/tfx")
     names = tuple(n for n in args.only.split(",") if n)
@@ -307,13 +327,24 @@ def suite_main(args, overrides: list[str]) -> None:
                       f"{', '.join(e.name for e in bench_suite.SUITE)}")
     if args.batch is not None and args.batch < 1:
       raise UserError(f"--batch must be at least 1 (got {args.batch})")
+    settings = [fields]  # one run of the suite per setting: the overrides, plus one swept value
+    if args.sweep:
+      key, _, values = args.sweep.partition("=")
+      if not values:
+        raise UserError(f"--sweep needs KEY=V1,V2,... (e.g. model.attention=cudnn,pallas,xla), got {args.sweep!r}")
+      key = key.removeprefix("config.")
+      settings = [(*fields, f"{key}={value}") for value in values.split(",")]
+    for setting in settings:  # every setting is checked before the first compile
+      bench_suite.check_overrides(root, tiny=args.tiny, overrides=setting, only=names)
     gcs.preflight(args.json)
-    out = bench_suite.run_suite(root, tiny=args.tiny, steps=args.steps, warmup=args.warmup,
-                                batch_per_device=args.batch, only=names)
-  except UserError as e:
+    runs = [bench_suite.run_suite(root, tiny=args.tiny, steps=args.steps, warmup=args.warmup,
+                                  batch_per_device=args.batch, only=names, overrides=setting)
+            for setting in settings]
+    out = runs[0] if not args.sweep else {"sweep": args.sweep, "runs": runs}
+  except (UserError, ValueError) as e:
     sys.exit(f"tfx.bench: {e}")
   if jax.process_index() == 0:
-    print(bench_suite.format_suite(out))
+    print("\n\n".join(bench_suite.format_suite(run) for run in runs))
     if args.json:
       from etils import epath
 

@@ -149,7 +149,8 @@ def compile_seconds(config) -> float:
     return time.perf_counter() - start
 
 
-def fill_device(entry: Entry, root: str, start: int, *, fraction: float = 0.85, max_doublings: int = 6) -> int:
+def fill_device(entry: Entry, root: str, start: int, *, fraction: float = 0.85, max_doublings: int = 6,
+                extra: tuple[str, ...] = ()) -> int:
   """The largest per-device batch (`start` doubled) whose compiled step fits `fraction` of the
   device's memory by XLA's memory analysis (arguments + outputs + temporaries, the donated state
   counted once); `start` where the backend reports no memory limit (CPU)."""
@@ -158,7 +159,8 @@ def fill_device(entry: Entry, root: str, start: int, *, fraction: float = 0.85, 
     return start
   best, batch = None, start
   for _ in range(max_doublings + 1):
-    exp, jitted, args = _abstract_step(entry_config(entry, root, tiny=False, batch_size=batch * jax.device_count()))
+    exp, jitted, args = _abstract_step(entry_config(entry, root, tiny=False, batch_size=batch * jax.device_count(),
+                                                    extra=extra))
     with parallel.context(exp.mesh):
       try:
         memory = jitted.lower(*args).compile().memory_analysis()
@@ -172,17 +174,28 @@ def fill_device(entry: Entry, root: str, start: int, *, fraction: float = 0.85, 
   return best or start
 
 
+def check_overrides(root: str, *, tiny: bool, overrides: tuple[str, ...], only: tuple[str, ...] = ()) -> None:
+  """Loads and validates every entry's config with `overrides` (model.attention=pallas, ...),
+  so that a bad key or value stops the suite before the first compile."""
+  for entry in SUITE:
+    if not only or entry.name in only:
+      config = entry_config(entry, root, tiny=tiny, batch_size=2 * jax.device_count(), extra=overrides)
+      config_lib.validate(config, num_devices=jax.device_count(), process_count=jax.process_count())
+
+
 def run_suite(root: str, *, tiny: bool, steps: int, warmup: int, batch_per_device: int | None = None,
-              only: tuple[str, ...] = ()) -> dict[str, Any]:
-  """Runs the suite; returns {"models": [result per entry], "compile_layers": {...}}."""
+              only: tuple[str, ...] = (), overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+  """Runs the suite with `overrides` (config fields without the --config. prefix) applied to every
+  entry, after its own; returns {"overrides": [...], "models": [result per entry],
+  "compile_layers": {...}}."""
   from tfx import bench
 
   results = []
   for entry in SUITE:
     if only and entry.name not in only:
       continue
-    per_device = batch_per_device or (2 if tiny else fill_device(entry, root, start=4))
-    config = entry_config(entry, root, tiny=tiny, batch_size=per_device * jax.device_count())
+    per_device = batch_per_device or (2 if tiny else fill_device(entry, root, start=4, extra=overrides))
+    config = entry_config(entry, root, tiny=tiny, batch_size=per_device * jax.device_count(), extra=overrides)
     result = bench.benchmark(config, steps=steps, warmup=warmup,
                              extra=lambda exp, state, batch, frozen: time_objective_part(
                                  exp, state, batch, frozen, steps=steps))
@@ -195,27 +208,30 @@ def run_suite(root: str, *, tiny: bool, steps: int, warmup: int, batch_per_devic
     per_device = batch_per_device or (2 if tiny else 4)
     for n in ((2, 8) if tiny else (12, 48)):
       config = entry_config(gpt2, root, tiny=tiny, batch_size=per_device * jax.device_count(),
-                            extra=(f"model.num_layers={n}",))
+                            extra=(*overrides, f"model.num_layers={n}"))
       layers[n] = compile_seconds(config)
-  return {"models": results, "compile_layers": layers}
+  return {"overrides": list(overrides), "models": results, "compile_layers": layers}
 
 
 def format_suite(out: dict[str, Any]) -> str:
   """The suite's table, then GPT-2's compile time by depth."""
   rows = [("model", "batch x row", "step ms", "tokens/s", "MFU", "peak mem GiB", "temp MiB", "compile s",
-           "objective ms", "objective share")]
+           "objective ms", "objective share", "attention")]
   for r in out["models"]:
     peak = r["peak_memory_bytes"]
     rows.append((r["name"], f"{r['batch_size']} x {r['row_length']}", f"{1e3 * r['step_s']:.1f}",
                  f"{r['tokens_per_s']:,.0f}", f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a",
                  f"{peak / 2**30:.2f}" if peak is not None else "n/a", f"{r['temp_memory_bytes'] / 2**20:.0f}",
-                 f"{r['compile_s']:.1f}", f"{r['transform_ms']:.2f}", f"{100 * r['transform_share']:.1f}%"))
+                 f"{r['compile_s']:.1f}", f"{r['transform_ms']:.2f}", f"{100 * r['transform_share']:.1f}%",
+                 r["attention"]))
   widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-  lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-           for row in rows]
+  last = len(widths) - 1  # the attention column, left-aligned and not padded
+  lines = ["  ".join(c.ljust(w) if i == 0 else c if i == last else c.rjust(w)
+                     for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
   if out["models"]:
     first = out["models"][0]
-    lines.insert(0, f"{first['device_count']} x {first['device_kind']}, bf16, jax {jax.__version__}")
+    settings = ", ".join(out.get("overrides", ())) or "the configs' defaults"
+    lines.insert(0, f"{first['device_count']} x {first['device_kind']}, bf16, jax {jax.__version__}; {settings}")
   layers = out["compile_layers"]
   if layers:
     (a, ta), (b, tb) = sorted(layers.items())

@@ -236,6 +236,8 @@ class TwoStreamAttention(nn.Module):
     k_r = proj("relative")(r.astype(dt))  # [b|1, p, h, d]
     scale = hd**-0.5
 
+    ops.log_choice("xla", "XLNet's relative two-stream attention has no fused kernel")
+
     def attend(q: jax.Array, mask: jax.Array | None) -> jax.Array:  # [b, t, h, d] -> [b, t, h, d]
       score = relative_scores(q, k, k_r, index, biases, seg_embed, seg_diff) * scale  # [b, h, t, s]
       if mask is not None:

@@ -13,6 +13,7 @@ no allowed key would silently softmax to the mean of V (a leak); `assert_rows_at
 the `guard` of `dot_product_attention` make that an error or exact zeros.
 """
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -280,10 +281,33 @@ def _on_gpu() -> bool:
 
 
 _LOGGED: set[tuple[str, str]] = set()
+_RECORDERS: list[list[tuple[str, str]]] = []
 
 
-def _log_choice(impl: str, why: str) -> None:
-  """One line per distinct (kernel, reason), at trace time (so once per compiled step)."""
+@contextlib.contextmanager
+def recorded_choices():
+  """Collects the (kernel, reason) of every attention traced inside the block, in trace order
+  (repeats included; the log prints each distinct pair once per process): what a benchmark
+  reports as the kernel that ran.
+
+      with recorded_choices() as chosen:
+        jitted.lower(...)
+  """
+  chosen: list[tuple[str, str]] = []
+  _RECORDERS.append(chosen)
+  try:
+    yield chosen
+  finally:
+    _RECORDERS.remove(chosen)
+
+
+def log_choice(impl: str, why: str) -> None:
+  """Logs which attention kernel a call site runs and why: one line per distinct (kernel,
+  reason), at trace time (so once per compiled step); every call reaches `recorded_choices`.
+  Attention written outside `dot_product_attention` (XLNet's relative two-stream attention)
+  reports itself here too."""
+  for chosen in _RECORDERS:
+    chosen.append((impl, why))
   if (impl, why) not in _LOGGED:
     _LOGGED.add((impl, why))
     logging.getLogger("tfx.attention").info("attention: %s (%s)", impl, why)
@@ -346,7 +370,7 @@ def dot_product_attention(
   if impl == "pallas":
     refused = flash.unsupported(q, k, mask, bias)
     if refused is None:
-      _log_choice(impl, why)
+      log_choice(impl, why)
       scale = q.shape[-1] ** -0.5 if scale is None else scale
       return flash.flash_attention(q, k, v, mask.segment_ids, causal=mask.causal, scale=scale)
     impl, why = "xla", f"Pallas flash attention refused: {refused}"
@@ -367,7 +391,7 @@ def dot_product_attention(
         impl, why = "xla", f"cuDNN refused: {str(e).splitlines()[0][:120]}"
     if out is None:
       out = softmax_attention(q, k, v, mask, bias, float(scale))
-  _log_choice(impl, why)
+  log_choice(impl, why)
   if guard and mask is not None and impl != "xla":  # softmax_attention zeroes such rows itself
     ok = rows_attend(mask)  # [b|1, h|1, t]
     ok = jnp.moveaxis(ok, 1, 2)[..., None]  # [b|1, t, h|1, 1]
