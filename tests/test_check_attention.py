@@ -1,0 +1,79 @@
+"""tfx.check_attention: every attention kernel against the float32 reference on the masks the
+families build. On this CPU, with a GPU faked for the choice, 'pallas' runs its kernel in Pallas'
+interpreter and 'cudnn' falls back to XLA when jax refuses it; the check must also catch a wrong
+kernel."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tfx import check_attention
+from tfx.ops import attention as attn
+
+
+@pytest.fixture(scope="module")
+def cases():
+  return check_attention.make_cases(length=32, heads=4, head_dim=16, dtype=jnp.float32)
+
+
+def test_cases_cover_the_masks_of_every_family(cases):
+  """Causal / bidirectional packed rows as segment ids, grouped-query heads, and the dense masks
+  (prefix LM, both XLNet streams, cross attention); the query stream has rows with no key."""
+  names = [c.name for c in cases]
+  assert names == ["causal_packed", "causal_padded", "bidirectional_padded", "grouped_query_causal", "prefix_lm",
+                   "two_stream_content", "two_stream_query", "cross"]
+  by_name = {c.name: c for c in cases}
+  assert isinstance(by_name["causal_padded"].mask, attn.SegmentMask) and by_name["causal_padded"].mask.causal
+  assert by_name["grouped_query_causal"].k.shape[2] == 2 and by_name["cross"].k.shape[1] == 16
+  query, content = by_name["two_stream_query"].mask, by_name["two_stream_content"].mask
+  assert not bool(jnp.all(attn.rows_attend(query) | (by_name["causal_padded"].mask.segment_ids == 0)[:, None]))
+  assert bool(jnp.all(content >= query)) and not bool(jnp.all(content == query))  # the content stream sees itself
+
+
+def test_every_kernel_matches_the_reference(cases, monkeypatch):
+  """With a GPU faked for the choice: the Pallas kernel (interpreted) on the segment-id cases,
+  XLA's attention where Pallas or cuDNN cannot run, all within float32 rounding of the reference,
+  rows with no allowed key exactly zero; the kernel that ran is reported."""
+  monkeypatch.setattr(attn, "_on_gpu", lambda: True)
+  results = check_attention.run_checks(cases, ("pallas", "cudnn", "xla"))
+  assert all(r["ok"] for r in results), check_attention.format_results(results)
+  assert max(max(r[k] for k in ("out", "dq", "dk", "dv")) for r in results) < 1e-4
+  ran = {(r["case"], r["implementation"]): r["kernel"] for r in results}
+  assert ran["causal_padded", "pallas"] == "pallas (GPU, segment ids)"
+  assert ran["prefix_lm", "pallas"].startswith("xla (Pallas flash attention refused")
+  assert ran["cross", "cudnn"].startswith("xla (cuDNN")  # fp32: cuDNN needs bf16 / fp16
+  assert ran["causal_packed", "xla"] == "xla (model.attention)"
+  json.dumps(results)
+
+
+def test_a_wrong_kernel_fails_the_check(cases, monkeypatch, capsys):
+  """A kernel that ignores the mask fails every masked case; one that lets rows with no allowed
+  key take the mean of V fails on those rows; the command exits non-zero and names them."""
+  real = attn.softmax_attention
+  monkeypatch.setattr(attn, "softmax_attention", lambda q, k, v, mask, bias, scale: real(q, k, v, None, bias, scale))
+  results = check_attention.run_checks(cases[:2], ("xla",))
+  assert not any(r["ok"] for r in results) and all(r["out"] > 0.05 for r in results)
+
+  def leaky(q, k, v, mask, bias, scale):  # the reference softmax: a row with no key averages V
+    return attn.reference_attention(q, k, v, mask=mask, bias=bias, scale=scale)
+
+  monkeypatch.setattr(attn, "softmax_attention", leaky)
+  (result,) = check_attention.run_checks([c for c in cases if c.name == "two_stream_query"], ("xla",))
+  assert not result["ok"] and not result["empty_rows_zero"]
+  with pytest.raises(SystemExit, match="failed: .*two_stream_query/xla"):
+    check_attention.main(["--dtype", "float32", "--implementations", "xla", "--length", "32", "--head-dim", "16"])
+  assert "a row with no key is not zero" in capsys.readouterr().out
+
+
+def test_cli_runs_and_refuses_bad_arguments(tmp_path, capsys):
+  path = tmp_path / "check.json"
+  check_attention.main(["--implementations", "xla", "--length", "32", "--head-dim", "16", "--json", str(path)])
+  out = capsys.readouterr().out
+  assert f"x {jax.devices()[0].device_kind}, bfloat16" in out and "two_stream_query" in out
+  assert len(json.loads(path.read_text())) == 8
+  with pytest.raises(SystemExit, match="unknown --implementations flash"):
+    check_attention.main(["--implementations", "flash"])
+  with pytest.raises(SystemExit, match="multiple of 16"):
+    check_attention.main(["--length", "40"])

@@ -1,0 +1,190 @@
+"""Every attention kernel against the reference attention, on whatever device is here.
+
+    python -m tfx.check_attention [--dtype bfloat16] [--implementations auto,cudnn,pallas,xla]
+        [--length 128] [--json out.json]
+
+The unit tests check the kernels on the CPU (XLA's attention, and the Pallas kernel in Pallas'
+interpreter); this is the same check for the device that trains: run it once on a GPU (or TPU)
+host before trusting a fused kernel there. For each mask a family builds (causal and
+bidirectional packed rows with padding, grouped-query heads, prefix LM, XLNet's two streams,
+cross attention) and each `model.attention` value, it runs `tfx.ops.dot_product_attention` as a
+model does (so a kernel that cannot take a mask falls back exactly as in training) and compares
+the output and the q, k, v gradients with `reference_attention` computed in float32 at the
+highest matmul precision from the same rounded inputs. It prints which kernel actually ran
+(`attention: ...` reasons included) and the largest error relative to the largest reference
+value, and fails (exit status 1) where one is over the dtype's tolerance. Query rows with no
+allowed key (padding, the first token of a permutation's query stream) must come out as zeros.
+"""
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tfx import ops
+
+# Largest error relative to the largest reference value. Float32 allows TF32 matmuls (a GPU's
+# default precision); bf16 and fp16 keep 8 and 11 bits of mantissa in q, k, v and the output.
+TOLERANCE = {"float32": 2e-3, "bfloat16": 3e-2, "float16": 5e-3}
+IMPLEMENTATIONS = ("auto", "cudnn", "pallas", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One attention problem: q [b, t, h, d], k and v [b, s, kv, d], a mask, a cotangent."""
+
+  name: str
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  mask: Any  # ops.SegmentMask or [b, 1, t, s] bool
+  cotangent: jax.Array  # [b, t, h, d] float32
+
+
+def _packed_segments(rng: np.random.Generator, b: int, t: int, *, documents: int, padding: int) -> np.ndarray:
+  """[b, t] segment ids: up to `documents` packed documents of random lengths, then `padding` zeros."""
+  seg = np.zeros((b, t), np.int32)
+  for row in range(b):
+    cuts = np.sort(rng.choice(np.arange(1, t - padding), size=documents - 1, replace=False))
+    seg[row, : t - padding] = np.searchsorted(cuts, np.arange(t - padding), side="right") + 1
+  return seg
+
+
+def make_cases(*, length: int = 128, heads: int = 4, head_dim: int = 64, batch: int = 2, seed: int = 0,
+               dtype=jnp.bfloat16) -> list[Case]:
+  """The masks a family's attention sees, on packed rows of `length` tokens (a multiple of 16)."""
+  rng = np.random.default_rng(seed)
+  b, t, h, d = batch, length, heads, head_dim
+
+  def tensors(kv_heads: int, s: int = t):
+    q = jnp.asarray(rng.normal(size=(b, t, h, d)), dtype)
+    k, v = (jnp.asarray(rng.normal(size=(b, s, kv_heads, d)), dtype) for _ in range(2))
+    return q, k, v, jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+
+  packed = jnp.asarray(_packed_segments(rng, b, t, documents=3, padding=0))
+  padded = jnp.asarray(_packed_segments(rng, b, t, documents=2, padding=t // 4))
+  positions = np.zeros((b, t), np.int32)
+  for row in range(b):  # position within each document
+    for s_id in np.unique(np.asarray(padded[row])):
+      where = np.flatnonzero(np.asarray(padded[row]) == s_id)
+      positions[row, where] = np.arange(len(where))
+  prefix = ops.prefix_lm_mask(padded, jnp.asarray(positions), jnp.full((b, 1), t // 8))
+  # XLNet: a random factorisation order per row; the content stream sees the tokens at or before
+  # its own place in the order, the query stream those strictly before it.
+  rank = jnp.asarray(np.stack([rng.permutation(t) for _ in range(b)]))
+  same = ops.segment_mask(padded)
+  content = same & (rank[:, None, None, :] <= rank[:, None, :, None])
+  query = same & (rank[:, None, None, :] < rank[:, None, :, None])
+  source = jnp.asarray(_packed_segments(rng, b, t // 2, documents=2, padding=t // 16))
+  cross = ops.segment_mask(jnp.minimum(padded, 2), source)  # the decoder's documents over the encoder's
+  return [
+      Case("causal_packed", *tensors(h)[:3], ops.SegmentMask(packed, causal=True), tensors(h)[3]),
+      Case("causal_padded", *tensors(h)[:3], ops.SegmentMask(padded, causal=True), tensors(h)[3]),
+      Case("bidirectional_padded", *tensors(h)[:3], ops.SegmentMask(padded), tensors(h)[3]),
+      Case("grouped_query_causal", *tensors(h // 2)[:3], ops.SegmentMask(packed, causal=True), tensors(h)[3]),
+      Case("prefix_lm", *tensors(h)[:3], prefix, tensors(h)[3]),
+      Case("two_stream_content", *tensors(h)[:3], content, tensors(h)[3]),
+      Case("two_stream_query", *tensors(h)[:3], query, tensors(h)[3]),
+      Case("cross", *tensors(h, t // 2)[:3], cross, tensors(h)[3]),
+  ]
+
+
+def _value_and_grads(fn: Callable, case: Case):
+  """fn(q, k, v) and the gradients of sum(fn * cotangent) with respect to q, k, v (float32)."""
+  loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * case.cotangent)
+  out = fn(case.q, case.k, case.v)
+  grads = jax.grad(loss, argnums=(0, 1, 2))(case.q, case.k, case.v)
+  return [np.asarray(x, np.float32) for x in (out, *grads)]
+
+
+def reference(case: Case) -> list[np.ndarray]:
+  """Output and q, k, v gradients of the einsum attention in float32 at the highest precision;
+  rows with no allowed key are zeros (what `dot_product_attention` guarantees)."""
+  mask = ops.dense_mask(case.mask)
+  attends = jnp.moveaxis(ops.rows_attend(mask), 1, 2)[..., None]  # [b, t, 1, 1]
+
+  def fn(q, k, v):
+    out = ops.reference_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask=mask)
+    return jnp.where(attends, out, 0.0)
+
+  with jax.default_matmul_precision("highest"):
+    return _value_and_grads(jax.jit(fn), case)
+
+
+def check_case(case: Case, implementation: str, want: list[np.ndarray]) -> dict[str, Any]:
+  """Runs one kernel on one case; returns the kernel that ran and its relative errors."""
+  fn = jax.jit(lambda q, k, v: ops.dot_product_attention(q, k, v, mask=case.mask, implementation=implementation))
+  with ops.recorded_choices() as chosen:
+    got = _value_and_grads(fn, case)
+  errors = {name: float(np.max(np.abs(g - w)) / max(float(np.max(np.abs(w))), 1e-30))
+            for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
+  nonfinite = [name for name, g in zip(("out", "dq", "dk", "dv"), got) if not np.all(np.isfinite(g))]
+  dense = ops.dense_mask(case.mask)
+  empty = ~np.asarray(jnp.moveaxis(ops.rows_attend(dense), 1, 2))[..., 0]  # [b, t]: rows with no key
+  empty_rows_zero = bool(not np.any(got[0][empty]))
+  kernels = sorted({f"{impl} ({why})" for impl, why in chosen})
+  dtype = jnp.dtype(case.q.dtype).name
+  ok = not nonfinite and empty_rows_zero and max(errors.values()) <= TOLERANCE[dtype]
+  return {"case": case.name, "implementation": implementation, "kernel": " + ".join(kernels), "dtype": dtype,
+          **errors, "nonfinite": nonfinite, "empty_rows_zero": empty_rows_zero, "ok": ok}
+
+
+def run_checks(cases: list[Case], implementations: tuple[str, ...] = IMPLEMENTATIONS) -> list[dict[str, Any]]:
+  results = []
+  for case in cases:
+    want = reference(case)
+    results.extend(check_case(case, impl, want) for impl in implementations)
+  return results
+
+
+def format_results(results: list[dict[str, Any]]) -> str:
+  rows = [("case", "model.attention", "ran", "out", "dq", "dk", "dv", "ok")]
+  for r in results:
+    rows.append((r["case"], r["implementation"], r["kernel"], *(f"{r[k]:.1e}" for k in ("out", "dq", "dk", "dv")),
+                 "ok" if r["ok"] else "FAIL" + (f" (non-finite {', '.join(r['nonfinite'])})" if r["nonfinite"] else "")
+                 + ("" if r["empty_rows_zero"] else " (a row with no key is not zero)")))
+  widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+  lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+           for row in rows]
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m tfx.check_attention", description=__doc__.split("\n")[0])
+  parser.add_argument("--dtype", default="bfloat16", choices=sorted(TOLERANCE))
+  parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS),
+                      help="model.attention values to check (reference is what they are compared with)")
+  parser.add_argument("--length", type=int, default=128, help="row length (a multiple of 16)")
+  parser.add_argument("--head-dim", type=int, default=64)
+  parser.add_argument("--json", default=None, help="also write the results as JSON to this path")
+  args = parser.parse_args(argv)
+  implementations = tuple(i for i in args.implementations.split(",") if i)
+  unknown = sorted(set(implementations) - set(IMPLEMENTATIONS))
+  if unknown:
+    sys.exit(f"tfx.check_attention: unknown --implementations {', '.join(unknown)}; choose from "
+             f"{', '.join(IMPLEMENTATIONS)}")
+  if args.length < 32 or args.length % 16:
+    sys.exit(f"tfx.check_attention: --length must be a multiple of 16, at least 32 (got {args.length})")
+  device = jax.devices()[0]
+  print(f"{jax.device_count()} x {getattr(device, 'device_kind', device.platform)}, {args.dtype}, "
+        f"jax {jax.__version__}, rows of {args.length}, head dim {args.head_dim}; errors: max |kernel - reference| / "
+        f"max |reference|, tolerance {TOLERANCE[args.dtype]:g}")
+  cases = make_cases(length=args.length, head_dim=args.head_dim, dtype=jnp.dtype(args.dtype))
+  results = run_checks(cases, implementations)
+  print(format_results(results))
+  if args.json:
+    from etils import epath
+
+    epath.Path(args.json).write_text(json.dumps(results, indent=2))
+  failed = [f"{r['case']}/{r['implementation']}" for r in results if not r["ok"]]
+  if failed:
+    sys.exit(f"tfx.check_attention: {len(failed)} failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+  main()
