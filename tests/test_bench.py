@@ -246,3 +246,29 @@ def test_accelerator_suite_sweeps_a_setting(tmp_path, capsys):
     bench.main(["--suite", "accel", "--tiny", "--only", "bert_base", "--sweep", "model.attention=xla,flash"])
   with pytest.raises(SystemExit, match="--config.KEY=VALUE"):
     bench.main(["--suite", "accel", "--tiny", "--config.model.remat", "none"])
+
+
+def _bench_peer():
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("bench_peer", os.path.join(ROOT, "benchmarks", "hf_flax", "bench_peer.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)  # transformers is imported only when a model is built
+  return module
+
+
+def test_peer_bench_ratio_is_paired_with_an_interval():
+  """The peer table's step ratio is the median of the per-step ratios (step i of both sides ran
+  back to back) with a 95% bootstrap interval: a slow spell that hits both sides of one pair
+  does not move it, a constant ratio has a zero-width interval, and the interval holds the median."""
+  peer = _bench_peer()
+  tfx = [0.10, 0.11, 0.30, 0.10, 0.12, 0.10, 0.11]
+  hf = [0.20, 0.22, 0.60, 0.20, 0.24, 0.20, 0.22]  # the third pair ran in a slow spell
+  assert peer.paired_ratio(tfx, hf) == (0.5, 0.5, 0.5)
+  noisy = [t * f for t, f in zip(hf, (0.9, 1.1, 1.0, 0.8, 1.2, 1.05, 0.95))]
+  ratio, low, high = peer.paired_ratio(noisy, hf)
+  assert ratio == pytest.approx(1.0) and low < ratio < high and (low, high) == peer.paired_ratio(noisy, hf)[1:]
+  row = dict(model="gpt2", hf_class="FlaxGPT2LMHeadModel", shape="2L", step_s_tfx=0.1, step_s_hf=0.2, step_ratio=0.5,
+             step_ratio_ci95=[0.45, 0.55], temp_bytes_tfx=2**20, temp_bytes_hf=2**21, compile_s_tfx=1.0,
+             compile_s_hf=2.0, gflop_tfx=1.0, gflop_hf=1.0)
+  assert "| 100 / 200 | 0.50x (0.45-0.55) | 1.0 / 2.0 | 0.50x |" in peer.table([row])

@@ -16,7 +16,8 @@ The tfx step is `tfx.steps.make_train_step`, exactly what `tfx.train` runs (its 
 accuracy, grad norm, learning rate); the HF step computes the loss only.
 
 Reported per model and size (ratio = tfx / HF; < 1 means tfx is faster or smaller):
-  step      median wall time of `--reps` steps, tfx and HF interleaved step by step
+  step      median wall time of `--reps` steps, tfx and HF interleaved step by step; the ratio is
+            the median of the per-step ratios, with a 95% bootstrap interval of it
   temp      XLA's compiled temporary memory (memory_analysis().temp_size_in_bytes)
   compile   lower + compile of a fresh jit (median of 3, interleaved)
   GFLOP     XLA's cost analysis of the compiled step. It counts a while loop's body once, so
@@ -200,26 +201,39 @@ def run_one(model: str, size: str, reps: int, log) -> dict:
     hf_times.append(time.perf_counter() - start)
 
   layers, d, heads, ff, seq, b, vocab = SIZES[size]
+  ratio, low, high = paired_ratio(tfx_times, hf_times)
   return {
       "model": model, "size": size, "hf_class": cls.__name__, "objective": config.objective.name,
       "shape": f"{layers}L d{d} h{heads} ff{ff}, {b}x{seq}, vocab {vocab}",
       "loss_tfx": tfx_loss, "loss_hf": hf_loss,
       "step_s_tfx": statistics.median(tfx_times), "step_s_hf": statistics.median(hf_times),
+      "step_ratio": ratio, "step_ratio_ci95": [low, high], "step_s_all_tfx": tfx_times, "step_s_all_hf": hf_times,
       "compile_s_tfx": statistics.median(tfx_compile), "compile_s_hf": statistics.median(hf_compile),
       "temp_bytes_tfx": tfx_temp, "temp_bytes_hf": hf_temp,
       "gflop_tfx": tfx_flops / 1e9, "gflop_hf": hf_flops / 1e9,
   }
 
 
+def paired_ratio(tfx_times: list[float], hf_times: list[float], resamples: int = 2000) -> tuple[float, float, float]:
+  """The median of the per-step ratios tfx / HF (step i of each side ran back to back, so a slow
+  spell of the machine hits both) and a 95% bootstrap interval of that median (resampling the
+  pairs; seeded, so the same times give the same interval)."""
+  pairs = np.asarray(tfx_times) / np.asarray(hf_times)
+  draws = np.random.default_rng(0).choice(pairs, size=(resamples, len(pairs)))
+  low, high = np.percentile(np.median(draws, axis=1), [2.5, 97.5])
+  return float(np.median(pairs)), float(low), float(high)
+
+
 def table(results: list[dict]) -> str:
-  lines = ["| model (HF class) | shape | step ms tfx / HF | ratio | temp MiB tfx / HF | ratio | compile s tfx / HF "
+  lines = ["| model (HF class) | shape | step ms tfx / HF | ratio (95% CI) | temp MiB tfx / HF | ratio | compile s tfx / HF "
            "| ratio | GFLOP tfx / HF |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
   for r in results:
     ratio = lambda a, b: f"{a / b:.2f}x" if b else "n/a"
     lines.append(
         f"| {r['model']} ({r['hf_class']}) | {r['shape']} "
-        f"| {1e3 * r['step_s_tfx']:.0f} / {1e3 * r['step_s_hf']:.0f} | {ratio(r['step_s_tfx'], r['step_s_hf'])} "
+        f"| {1e3 * r['step_s_tfx']:.0f} / {1e3 * r['step_s_hf']:.0f} "
+        f"| {r['step_ratio']:.2f}x ({r['step_ratio_ci95'][0]:.2f}-{r['step_ratio_ci95'][1]:.2f}) "
         f"| {r['temp_bytes_tfx'] / 2**20:.1f} / {r['temp_bytes_hf'] / 2**20:.1f} "
         f"| {ratio(r['temp_bytes_tfx'], r['temp_bytes_hf'])} "
         f"| {r['compile_s_tfx']:.2f} / {r['compile_s_hf']:.2f} | {ratio(r['compile_s_tfx'], r['compile_s_hf'])} "
