@@ -341,7 +341,7 @@ def suite_main(args, overrides: list[str]) -> None:
                                   batch_per_device=args.batch, only=names, overrides=setting)
             for setting in settings]
     out = runs[0] if not args.sweep else {"sweep": args.sweep, "runs": runs}
-  except (UserError, ValueError) as e:
+  except UserError as e:
     sys.exit(f"tfx.bench: {e}")
   if jax.process_index() == 0:
     print("\n\n".join(bench_suite.format_suite(run) for run in runs))

@@ -1,8 +1,10 @@
-"""The `tfx` console script: `tfx train|prepare|generate|bench|bench_data|convert|quickstart|compare|finetune|launch ARGS...` (same as python -m tfx.X)."""
+"""The `tfx` console script: `tfx train|prepare|generate|bench|...|check_attention ARGS...` (the same
+as python -m tfx.X; COMMANDS lists them)."""
 
 import sys
 
-COMMANDS = ("train", "prepare", "generate", "bench", "bench_data", "convert", "quickstart", "compare", "finetune", "launch")
+COMMANDS = ("train", "prepare", "generate", "bench", "bench_data", "convert", "quickstart", "compare", "finetune", "launch",
+            "sweep", "checkpoints", "check_objective", "check_attention")
 
 
 def main(argv: list[str] | None = None) -> None:
