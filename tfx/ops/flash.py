@@ -73,8 +73,33 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
                                       block_q_dq=back, block_kv_dq=back)
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
-  out = pallas_attention.mha(q, k, v, segment_ids.astype(jnp.int32), sm_scale=float(scale), causal=causal,
-                             block_sizes=sizes, interpret=interpret)  # [b, t, h, d]
-  # The kernel lets padding queries attend padding keys (both segment 0): zero them, as the mask
-  # allows them nothing (their zero cotangent also keeps them out of dK and dV).
-  return jnp.where((segment_ids > 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+  def kernel(q, k, v, ids):  # one device's rows and heads: [b', t, h', d], ids [b', t]
+    out = pallas_attention.mha(q, k, v, ids, sm_scale=float(scale), causal=causal, block_sizes=sizes,
+                               interpret=interpret)  # [b', t, h', d]
+    # The kernel lets padding queries attend padding keys (both segment 0): zero them, as the mask
+    # allows them nothing (their zero cotangent also keeps them out of dK and dV).
+    return jnp.where((ids > 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+  return per_device(kernel, q, k, v, segment_ids.astype(jnp.int32))
+
+
+def per_device(kernel, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array) -> jax.Array:
+  """`kernel(q, k, v, ids)` on each device's shard of the rows and heads (`jax.shard_map` over the
+  activations' logical sharding: batch over the data axes, heads over `tensor`) when the current
+  mesh has more than one device, else on the whole arrays.
+
+  A Pallas call is opaque to XLA's partitioner: left alone under a sharded batch it gathers every
+  operand onto every device and runs the whole batch on each (28 all-gathers in one attention
+  call on a 2x2x2 mesh). Attention needs no communication across rows or heads, so each device
+  runs the kernel on its own.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return kernel(q, k, v, ids)
+  import flax.linen as nn  # noqa: PLC0415  (the logical rules of the mesh context, tfx.parallel.context)
+  from jax.sharding import PartitionSpec  # noqa: PLC0415
+
+  spec = nn.logical_to_mesh_axes(("act_batch", "act_length", "act_heads", "act_kv"))  # [b, t, h, d]
+  rows = PartitionSpec(*spec[:2])  # [b, t]
+  return jax.shard_map(kernel, in_specs=(spec, spec, spec, rows), out_specs=spec, check_vma=False)(q, k, v, ids)
