@@ -21,6 +21,7 @@ Numbers:
 """
 
 import argparse
+import collections
 import contextlib
 import json
 import statistics
@@ -204,9 +205,7 @@ def attention_summary(chosen: list[tuple[str, str]]) -> str:
   every attention call site took the same one, else each with its count of call sites (a scanned
   stack is one site), e.g. 'pallas x1 (GPU, segment ids) + xla x2 (Pallas flash attention
   refused: ...)'; 'none' for a step without attention."""
-  counts: dict[tuple[str, str], int] = {}
-  for choice in chosen:
-    counts[choice] = counts.get(choice, 0) + 1
+  counts = collections.Counter(chosen)  # insertion-ordered: the first call site's kernel first
   if len(counts) <= 1:
     return next((f"{impl} ({why})" for impl, why in counts), "none")
   return " + ".join(f"{impl} x{n} ({why})" for (impl, why), n in counts.items())

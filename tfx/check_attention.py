@@ -46,13 +46,17 @@ class Case:
   cotangent: jax.Array  # [b, t, h, d] float32
 
 
-def _packed_segments(rng: np.random.Generator, b: int, t: int, *, documents: int, padding: int) -> np.ndarray:
-  """[b, t] segment ids: up to `documents` packed documents of random lengths, then `padding` zeros."""
-  seg = np.zeros((b, t), np.int32)
+def _packed(rng: np.random.Generator, b: int, t: int, *, documents: int, padding: int) -> tuple[jax.Array, jax.Array]:
+  """Segment ids and positions [b, t]: `documents` packed documents of random lengths, then
+  `padding` zeros; positions count from 0 in each document (and in the padding)."""
+  seg, pos = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
   for row in range(b):
     cuts = np.sort(rng.choice(np.arange(1, t - padding), size=documents - 1, replace=False))
-    seg[row, : t - padding] = np.searchsorted(cuts, np.arange(t - padding), side="right") + 1
-  return seg
+    bounds = [0, *cuts.tolist(), t - padding, t]
+    for i, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
+      seg[row, start:stop] = i + 1 if stop <= t - padding else 0
+      pos[row, start:stop] = np.arange(stop - start)
+  return jnp.asarray(seg), jnp.asarray(pos)
 
 
 def make_cases(*, length: int = 128, heads: int = 4, head_dim: int = 64, batch: int = 2, seed: int = 0,
@@ -61,37 +65,34 @@ def make_cases(*, length: int = 128, heads: int = 4, head_dim: int = 64, batch: 
   rng = np.random.default_rng(seed)
   b, t, h, d = batch, length, heads, head_dim
 
-  def tensors(kv_heads: int, s: int = t):
+  def case(name: str, mask, kv_heads: int = h, keys: int = t) -> Case:
     q = jnp.asarray(rng.normal(size=(b, t, h, d)), dtype)
-    k, v = (jnp.asarray(rng.normal(size=(b, s, kv_heads, d)), dtype) for _ in range(2))
-    return q, k, v, jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(b, keys, kv_heads, d)), dtype) for _ in range(2))
+    return Case(name, q, k, v, mask, jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32))
 
-  packed = jnp.asarray(_packed_segments(rng, b, t, documents=3, padding=0))
-  padded = jnp.asarray(_packed_segments(rng, b, t, documents=2, padding=t // 4))
-  positions = np.zeros((b, t), np.int32)
-  for row in range(b):  # position within each document
-    for s_id in np.unique(np.asarray(padded[row])):
-      where = np.flatnonzero(np.asarray(padded[row]) == s_id)
-      positions[row, where] = np.arange(len(where))
-  prefix = ops.prefix_lm_mask(padded, jnp.asarray(positions), jnp.full((b, 1), t // 8))
+  packed, _ = _packed(rng, b, t, documents=3, padding=0)
+  padded, positions = _packed(rng, b, t, documents=2, padding=t // 4)
   # XLNet: a random factorisation order per row; the content stream sees the tokens at or before
   # its own place in the order, the query stream those strictly before it.
   rank = jnp.asarray(np.stack([rng.permutation(t) for _ in range(b)]))
   same = ops.segment_mask(padded)
-  content = same & (rank[:, None, None, :] <= rank[:, None, :, None])
-  query = same & (rank[:, None, None, :] < rank[:, None, :, None])
-  source = jnp.asarray(_packed_segments(rng, b, t // 2, documents=2, padding=t // 16))
-  cross = ops.segment_mask(jnp.minimum(padded, 2), source)  # the decoder's documents over the encoder's
+  source, _ = _packed(rng, b, t // 2, documents=2, padding=t // 16)
   return [
-      Case("causal_packed", *tensors(h)[:3], ops.SegmentMask(packed, causal=True), tensors(h)[3]),
-      Case("causal_padded", *tensors(h)[:3], ops.SegmentMask(padded, causal=True), tensors(h)[3]),
-      Case("bidirectional_padded", *tensors(h)[:3], ops.SegmentMask(padded), tensors(h)[3]),
-      Case("grouped_query_causal", *tensors(h // 2)[:3], ops.SegmentMask(packed, causal=True), tensors(h)[3]),
-      Case("prefix_lm", *tensors(h)[:3], prefix, tensors(h)[3]),
-      Case("two_stream_content", *tensors(h)[:3], content, tensors(h)[3]),
-      Case("two_stream_query", *tensors(h)[:3], query, tensors(h)[3]),
-      Case("cross", *tensors(h, t // 2)[:3], cross, tensors(h)[3]),
+      case("causal_packed", ops.SegmentMask(packed, causal=True)),
+      case("causal_padded", ops.SegmentMask(padded, causal=True)),
+      case("bidirectional_padded", ops.SegmentMask(padded)),
+      case("grouped_query_causal", ops.SegmentMask(packed, causal=True), kv_heads=h // 2),
+      case("prefix_lm", ops.prefix_lm_mask(padded, positions, jnp.full((b, 1), t // 8))),
+      case("two_stream_content", same & (rank[:, None, None, :] <= rank[:, None, :, None])),
+      case("two_stream_query", same & (rank[:, None, None, :] < rank[:, None, :, None])),
+      # the decoder's documents over the encoder's
+      case("cross", ops.segment_mask(jnp.minimum(padded, 2), source), keys=t // 2),
   ]
+
+
+def _attends(mask) -> jax.Array:
+  """[b, t] bool: the query rows that have at least one allowed key."""
+  return ops.rows_attend(ops.dense_mask(mask))[:, 0]
 
 
 def _value_and_grads(fn: Callable, case: Case):
@@ -106,7 +107,7 @@ def reference(case: Case) -> list[np.ndarray]:
   """Output and q, k, v gradients of the einsum attention in float32 at the highest precision;
   rows with no allowed key are zeros (what `dot_product_attention` guarantees)."""
   mask = ops.dense_mask(case.mask)
-  attends = jnp.moveaxis(ops.rows_attend(mask), 1, 2)[..., None]  # [b, t, 1, 1]
+  attends = _attends(mask)[:, :, None, None]  # [b, t, 1, 1]
 
   def fn(q, k, v):
     out = ops.reference_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask=mask)
@@ -124,9 +125,7 @@ def check_case(case: Case, implementation: str, want: list[np.ndarray]) -> dict[
   errors = {name: float(np.max(np.abs(g - w)) / max(float(np.max(np.abs(w))), 1e-30))
             for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
   nonfinite = [name for name, g in zip(("out", "dq", "dk", "dv"), got) if not np.all(np.isfinite(g))]
-  dense = ops.dense_mask(case.mask)
-  empty = ~np.asarray(jnp.moveaxis(ops.rows_attend(dense), 1, 2))[..., 0]  # [b, t]: rows with no key
-  empty_rows_zero = bool(not np.any(got[0][empty]))
+  empty_rows_zero = bool(not np.any(got[0][~np.asarray(_attends(case.mask))]))
   kernels = sorted({f"{impl} ({why})" for impl, why in chosen})
   dtype = jnp.dtype(case.q.dtype).name
   ok = not nonfinite and empty_rows_zero and max(errors.values()) <= TOLERANCE[dtype]
