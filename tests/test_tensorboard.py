@@ -4,11 +4,13 @@ Event files are read back with TensorBoard's own EventAccumulator (the `tensorbo
 the dev extra), with orphan purging off, so a duplicated or stale step would show.
 """
 
+import collections
 import json
 import os
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -233,13 +235,13 @@ def test_wandb_project_without_wandb_is_a_clear_error(tmp_path, monkeypatch, sha
   assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def wandb_history(run_dir) -> dict[str, list[tuple[int, float]]]:
-  """{key: [(step, value)]} of an offline run's .wandb file (LevelDB log records of wandb protos)."""
+def wandb_records(run_dir) -> list:
+  """The records of an offline run's .wandb file (LevelDB log records of wandb protos), in order."""
   from wandb.proto import wandb_internal_pb2 as pb
 
   (name,) = [n for n in os.listdir(run_dir) if n.endswith(".wandb")]
   data = (run_dir / name).read_bytes()
-  pos, block, buf, out = 7, 32768, b"", {}
+  pos, block, buf, records = 7, 32768, b"", []
   while pos + 7 <= len(data):
     if block - pos % block < 7:  # a block's tail too short for a header is padding
       pos += block - pos % block
@@ -248,13 +250,32 @@ def wandb_history(run_dir) -> dict[str, list[tuple[int, float]]]:
     buf += data[pos + 7:pos + 7 + length]
     pos += 7 + length
     if kind in (1, 4):  # FULL or LAST fragment: a whole record
-      record, buf = pb.Record.FromString(buf), b""
-      if record.HasField("history"):
-        for item in record.history.item:
-          key = item.key or "/".join(item.nested_key)  # "a/b" keys come as nested_key ["a", "b"]
-          if not key.startswith("_"):
-            out.setdefault(key, []).append((record.history.step.num, float(json.loads(item.value_json))))
+      records.append(pb.Record.FromString(buf))
+      buf = b""
+  return records
+
+
+def wandb_history(records) -> dict[str, list[tuple[int, float]]]:
+  """{key: [(step, value)]} of the history records."""
+  out = {}
+  for record in records:
+    if record.HasField("history"):
+      for item in record.history.item:
+        key = item.key or "/".join(item.nested_key)  # "a/b" keys come as nested_key ["a", "b"]
+        if not key.startswith("_"):
+          out.setdefault(key, []).append((record.history.step.num, float(json.loads(item.value_json))))
   return out
+
+
+def finished_wandb_records(run_dir, timeout: float = 60.0) -> list:
+  """The run's records once its exit record is on disk: wandb's service process may still be
+  writing the file when `finish()` returns on a loaded machine."""
+  deadline = time.time() + timeout
+  while True:
+    records = wandb_records(run_dir)
+    if any(r.HasField("exit") for r in records) or time.time() > deadline:
+      return records
+    time.sleep(0.5)
 
 
 def test_wandb_offline_run(tmp_path, monkeypatch, shared_tokenizer):
@@ -269,9 +290,11 @@ def test_wandb_offline_run(tmp_path, monkeypatch, shared_tokenizer):
                   "--config.train.eval_every=2"), str(workdir))
   run_id = (workdir / "wandb_id.txt").read_text().strip()
   (run_dir,) = [p for p in (tmp_path / "wandb" / "wandb").iterdir() if p.name.endswith(run_id)]
-  logged = wandb_history(run_dir)
+  records = finished_wandb_records(run_dir)
+  logged = wandb_history(records)
   expected = jsonl_scalars(workdir)
-  assert set(logged) == set(expected)
+  kinds = collections.Counter(r.WhichOneof("record_type") for r in records)
+  assert set(logged) == set(expected), f"record types in the .wandb file: {dict(kinds)}"
   for key, points in expected.items():
     assert [s for s, _ in logged[key]] == [s for s, _ in points], key
     np.testing.assert_allclose([v for _, v in logged[key]], [v for _, v in points], rtol=1e-6, err_msg=key)
