@@ -193,6 +193,9 @@ def test_relative_bias_from_columns_is_the_position_bias(case, shared_tokenizer,
                                        config.train.batch_size)
   params = train.init_state(exp.model, exp.tx, exp.mesh, config.data.seq_len, 0, shardings, exp.objective,
                             config.train.batch_size).params
+  loss_and_grad = [jax.jit(jax.value_and_grad(
+      lambda p, batch, model=model: exp.objective.loss(model, p, batch, jax.random.key(1), train=True)[0]))
+      for model in (exp.model, by_position)]
   for cut in (None, 11):
     batch = dict(exp.pipeline.next_batch())
     if cut:  # a document boundary at column `cut` of every row: positions restart there
@@ -201,12 +204,9 @@ def test_relative_bias_from_columns_is_the_position_bias(case, shared_tokenizer,
       batch["positions"] = np.where(np.arange(n) < cut, np.arange(n), np.arange(n) - cut)[None].repeat(
           len(batch["tokens"]), 0)
     batch = {k: jnp.asarray(v, jnp.int32) for k, v in batch.items()}
-    grad = lambda model: jax.grad(lambda p: exp.objective.loss(model, p, batch, jax.random.key(1), train=True)[0])
-    (a, ma), (b, mb) = [exp.objective.loss(m, params, batch, jax.random.key(1), train=True)
-                        for m in (exp.model, by_position)]
+    (a, grads_a), (b, grads_b) = [f(params, batch) for f in loss_and_grad]
     np.testing.assert_allclose(float(a), float(b), rtol=1e-6)
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7), grad(exp.model)(params),
-                 grad(by_position)(params))
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7), grads_a, grads_b)
 
 
 @pytest.mark.parametrize("x_shape,in_shape,out_shape", [

@@ -228,22 +228,25 @@ def test_eval_with_memory_carries_it_across_held_out_streams(tmp_path, shared_to
                                        config.train.batch_size)
   eval_step = make_eval_step(exp, shardings)
   reported = train.evaluate(exp, eval_step, params, batches)
+
+  @jax.jit
+  def loss_of(params, batch, memory):  # -> (loss, num_tokens, memory after the batch)
+    _, m = exp.objective.loss(exp.model, params, batch, jax.random.key(0), train=False, state=memory)
+    return m["loss"], m["num_tokens"], m.get("state")
+
   memory, total, count, losses = exp.objective.init_state(config.train.batch_size, exp.model.cfg), 0.0, 0.0, []
   for batch in batches:  # the memory threaded through by hand
-    _, m = exp.objective.loss(exp.model, params, {k: jnp.asarray(v) for k, v in batch.items()}, jax.random.key(0),
-                              train=False, state=memory)
-    memory, k = m["state"], float(m["num_tokens"])
-    total, count = total + float(m["loss"]) * k, count + k
-    losses.append(float(m["loss"]))
+    loss, k, memory = loss_of(params, {k: jnp.asarray(v) for k, v in batch.items()}, memory)
+    total, count = total + float(loss) * float(k), count + float(k)
+    losses.append(float(loss))
   np.testing.assert_allclose(reported["loss"], total / count, rtol=2e-5)
 
   def second_batch_loss(first_tokens, carry):
     memory = exp.objective.init_state(config.train.batch_size, exp.model.cfg) if carry else None
     for batch in (dict(batches[0], tokens=first_tokens), batches[1]):
-      _, m = exp.objective.loss(exp.model, params, {k: jnp.asarray(v) for k, v in batch.items()}, jax.random.key(0),
-                                train=False, state=memory)
-      memory = m["state"] if carry else None
-    return float(m["loss"])
+      loss, _, after = loss_of(params, {k: jnp.asarray(v) for k, v in batch.items()}, memory)
+      memory = after if carry else None
+    return float(loss)
 
   # (4 training steps: the memory moves the loss by ~1e-4 only, hence exact float comparisons)
   other = np.full_like(batches[0]["tokens"], 400)  # another first batch: another memory
