@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: quickstart test test-slow test-all test-parity install install-dev install-parity bench-peer clean
+.PHONY: quickstart test test-slow test-all test-parity install install-dev install-parity bench-peer gpu-wheels clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,13 @@ $(PEER_VENV)/.installed: benchmarks/hf_flax/requirements.txt pyproject.toml
 
 bench-peer: $(PEER_VENV)/.installed
 	JAX_PLATFORMS=cpu $(PEER_VENV)/bin/python benchmarks/hf_flax/bench_peer.py $(ARGS)
+
+# The wheels benchmarks/gpu/session.sh unpacks on a lent GPU machine, whose image has jax, flax,
+# optax, orbax and sentencepiece but not ml-collections (pure Python; no network there). Carry
+# benchmarks/gpu/wheels with the call.
+gpu-wheels:
+	mkdir -p benchmarks/gpu/wheels
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d benchmarks/gpu/wheels "ml-collections==1.1.0"
 
 clean:
 	rm -rf runs .pytest_cache

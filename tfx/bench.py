@@ -269,6 +269,8 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--batch", type=int, default=None,
                       help="with --suite: rows per device (default: the largest that fits, doubling from 4)")
   parser.add_argument("--only", default="", help="with --suite: comma-separated model names (gpt2_small, ...)")
+  parser.add_argument("--skip-depth", action="store_true",
+                      help="with --suite: leave out GPT-2's compile time at 12 and 48 layers")
   parser.add_argument("--steps", type=int, default=10, help="timed steps")
   parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the compiling call")
   parser.add_argument("--json", default=None, help="also write the results as JSON to this path (local or gs://)")
@@ -337,7 +339,8 @@ def suite_main(args, overrides: list[str]) -> None:
       bench_suite.check_overrides(root, tiny=args.tiny, overrides=setting, only=names)
     gcs.preflight(args.json)
     runs = [bench_suite.run_suite(root, tiny=args.tiny, steps=args.steps, warmup=args.warmup,
-                                  batch_per_device=args.batch, only=names, overrides=setting)
+                                  batch_per_device=args.batch, only=names, overrides=setting,
+                                  depth=not args.skip_depth)
             for setting in settings]
     out = runs[0] if not args.sweep else {"sweep": args.sweep, "runs": runs}
   except UserError as e:

@@ -23,6 +23,7 @@ CPU in a couple of minutes; its numbers mean nothing about speed.
 
 import dataclasses
 import statistics
+import sys
 import time
 from typing import Any, Callable
 
@@ -184,10 +185,11 @@ def check_overrides(root: str, *, tiny: bool, overrides: tuple[str, ...], only: 
 
 
 def run_suite(root: str, *, tiny: bool, steps: int, warmup: int, batch_per_device: int | None = None,
-              only: tuple[str, ...] = (), overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+              only: tuple[str, ...] = (), overrides: tuple[str, ...] = (), depth: bool = True) -> dict[str, Any]:
   """Runs the suite with `overrides` (config fields without the --config. prefix) applied to every
   entry, after its own; returns {"overrides": [...], "models": [result per entry],
-  "compile_layers": {...}}."""
+  "compile_layers": {...}} (GPT-2's compile time by depth, unless `depth` is False). Each model's
+  result is also printed to stderr as soon as it is measured."""
   from tfx import bench
 
   results = []
@@ -202,8 +204,11 @@ def run_suite(root: str, *, tiny: bool, steps: int, warmup: int, batch_per_devic
     result["name"] = entry.name
     result["transform_share"] = result["transform_ms"] / (1e3 * result["step_s"])
     results.append(result)
+    if jax.process_index() == 0:
+      print(format_suite({"overrides": list(overrides), "models": [result], "compile_layers": {}}).splitlines()[-1],
+            file=sys.stderr, flush=True)
   layers = {}
-  if not only or "gpt2_small" in only:
+  if depth and (not only or "gpt2_small" in only):
     gpt2 = SUITE[0]
     per_device = batch_per_device or (2 if tiny else 4)
     for n in ((2, 8) if tiny else (12, 48)):

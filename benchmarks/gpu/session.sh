@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The accelerator half of the performance work as prepared device calls (a lent GPU, or a TPU VM).
+#
+#   make gpu-wheels                                   # here, once: pure-Python wheels the device image lacks
+#   bash benchmarks/gpu/session.sh OUT [STEP ...]     # there, from anywhere in the repository
+#
+# Steps (all of them, in this order, when none is named), each under its own time limit so that
+# one that hangs or fails leaves the next its time:
+#   env          python, jax and its devices, nvidia-smi                                     30 s
+#   attention    every model.attention kernel against the float32 reference             120 s
+#                (python -m tfx.check_attention)
+#   suite        the accelerator table: GPT-2-small, BERT-base, T5-base, XLNet-base at    300 s
+#                16 rows per device, then GPT-2's compile time at 12 and 48 layers
+#   t5_128       T5-base at the issue's 128 x 512 (its 0.25 s goal)                        90 s
+#   kernels      GPT-2-small once per kernel (model.attention=cudnn,pallas,xla)           150 s
+#   loss_chunk   GPT-2-small with the output projection fused into the loss (0 / 256)     100 s
+# The batch is fixed (16 rows) rather than searched: the suite's search compiles each model up to
+# seven times, more than one device session holds. The first four steps (9 min at most) fit one
+# call; `kernels loss_chunk` a second one.
+# Each step writes OUT/<step>.log and OUT/<step>.json; the last lines printed are
+# OUT/summary.txt, each step's exit status and seconds (124: over its limit).
+# TFX_GPU_TINY=1: every step at toy sizes, on whatever device (tests/test_gpu_session.py, on a CPU).
+set -u
+[ $# -ge 1 ] || { echo "usage: $0 OUT [STEP ...]" >&2; exit 2; }
+out=$1
+shift
+steps=("$@")
+all_steps=(env attention suite t5_128 kernels loss_chunk)
+[ ${#steps[@]} -gt 0 ] || steps=("${all_steps[@]}")
+for step in "${steps[@]}"; do
+  [[ " ${all_steps[*]} " == *" $step "* ]] || { echo "unknown step $step (${all_steps[*]})" >&2; exit 2; }
+done
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/../.."
+: > "$out/summary.txt"
+py=${PYTHON:-python3}
+
+# The device image has jax, flax, optax, orbax and sentencepiece but not every import of the
+# benchmark path (ml-collections): those travel as wheels (benchmarks/gpu/wheels, or the folder in
+# TFX_GPU_WHEELS) and are unpacked, not installed.
+deps=$(mktemp -d)
+trap 'rm -rf "$deps"' EXIT
+for wheel in "${TFX_GPU_WHEELS:-benchmarks/gpu/wheels}"/*.whl; do
+  [ -e "$wheel" ] && "$py" -m zipfile -e "$wheel" "$deps"
+done
+export PYTHONPATH="$PWD:$deps${PYTHONPATH:+:$PYTHONPATH}"
+
+size=(--batch 16)
+t5=(--batch 128)
+check=()
+if [ -n "${TFX_GPU_TINY:-}" ]; then
+  size=(--tiny --batch 2 --steps 2 --warmup 1)
+  t5=(--batch 4)
+  check=(--length 32)
+fi
+
+run() {  # run NAME LIMIT_SECONDS COMMAND...
+  local name=$1 limit=$2 start=$SECONDS rc
+  shift 2
+  timeout --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1
+  rc=$?
+  printf '%-11s rc=%-4s %4ss of %ss\n' "$name" "$rc" "$(( SECONDS - start ))" "$limit" >> "$out/summary.txt"
+  echo "== $name (rc=$rc)"
+  tail -n 20 "$out/$name.log"
+}
+
+bench=("$py" -m tfx.bench --suite accel "${size[@]}")
+for step in "${steps[@]}"; do
+  case $step in
+    env) run env 30 bash -c "$py -c 'import sys, jax, flax, optax, ml_collections
+print(sys.version); print(\"jax\", jax.__version__, jax.devices()); print(\"flax\", flax.__version__, \"optax\", optax.__version__)
+print(\"ml_collections from\", ml_collections.__file__)'
+           nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true" ;;
+    attention) run attention 120 "$py" -m tfx.check_attention "${check[@]}" --json "$out/attention.json" ;;
+    suite) run suite 300 "${bench[@]}" --json "$out/suite.json" ;;
+    t5_128) run t5_128 90 "${bench[@]}" --only t5_base --skip-depth "${t5[@]}" --json "$out/t5_128.json" ;;
+    kernels) run kernels 150 "${bench[@]}" --only gpt2_small --skip-depth --sweep model.attention=cudnn,pallas,xla \
+               --json "$out/kernels.json" ;;
+    loss_chunk) run loss_chunk 100 "${bench[@]}" --only gpt2_small --skip-depth --sweep model.loss_chunk=0,256 \
+                  --json "$out/loss_chunk.json" ;;
+  esac
+done
+echo "== summary ($out)"
+cat "$out/summary.txt"

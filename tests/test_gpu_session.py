@@ -1,0 +1,72 @@
+"""benchmarks/gpu/session.sh, the prepared device calls of the accelerator work, run end to end at
+toy sizes on this CPU, as the device image would see the repository: the modules that image lacks
+and the benchmark path must not need (grain, datasets, tensorboardX, gcsfs) cannot be imported,
+and ml-collections comes from a carried wheel, unpacked in front of the installed one."""
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+BLOCKER = '''
+import sys
+class _Missing:
+  def find_spec(self, name, path=None, target=None):
+    if name.split(".")[0] in {"grain", "datasets", "tensorboardX", "gcsfs"}:
+      raise ImportError(name + " is not on the device image")
+sys.meta_path.insert(0, _Missing())
+'''
+
+
+def test_session_runs_every_step_and_writes_its_results(tmp_path):
+  import ml_collections
+
+  wheels, blocker, out = tmp_path / "wheels", tmp_path / "blocker", tmp_path / "out"
+  wheels.mkdir()
+  blocker.mkdir()
+  (blocker / "sitecustomize.py").write_text(BLOCKER)
+  package = os.path.dirname(ml_collections.__file__)
+  with zipfile.ZipFile(wheels / "ml_collections-0-py3-none-any.whl", "w") as z:  # a wheel is a zip
+    for folder, _, files in os.walk(package):
+      for name in files:
+        path = os.path.join(folder, name)
+        z.write(path, os.path.relpath(path, os.path.dirname(package)))
+  env = dict(os.environ, PYTHON=sys.executable, TFX_GPU_TINY="1", TFX_GPU_WHEELS=str(wheels),
+             PYTHONPATH=str(blocker), JAX_PLATFORMS="cpu")
+  proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu", "session.sh"), str(out)], env=env,
+                        capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  summary = (out / "summary.txt").read_text().splitlines()
+  assert [line.split()[0] for line in summary] == ["env", "attention", "suite", "t5_128", "kernels", "loss_chunk"]
+  assert all(line.split()[1] == "rc=0" for line in summary), summary
+  assert proc.stdout.rstrip().endswith(summary[-1])  # the summary is printed last
+  env_log = (out / "env.log").read_text()
+  assert "ml_collections from " in env_log and package not in env_log  # the unpacked wheel came first
+
+  checked = json.loads((out / "attention.json").read_text())
+  assert len(checked) >= 28 and all(row["ok"] for row in checked)
+  suite = json.loads((out / "suite.json").read_text())
+  assert [m["name"] for m in suite["models"]] == ["gpt2_small", "bert_base", "t5_base", "xlnet_base"]
+  assert all(m["batch_size"] == 2 for m in suite["models"]) and sorted(suite["compile_layers"]) == ["2", "8"]
+  t5 = json.loads((out / "t5_128.json").read_text())
+  assert [m["name"] for m in t5["models"]] == ["t5_base"] and t5["models"][0]["batch_size"] == 4
+  assert t5["compile_layers"] == {}
+  kernels = json.loads((out / "kernels.json").read_text())
+  assert [r["overrides"] for r in kernels["runs"]] == [[f"model.attention={k}"] for k in ("cudnn", "pallas", "xla")]
+  assert all(len(r["models"]) == 1 and r["compile_layers"] == {} for r in kernels["runs"])
+  chunks = json.loads((out / "loss_chunk.json").read_text())
+  assert [r["overrides"] for r in chunks["runs"]] == [["model.loss_chunk=0"], ["model.loss_chunk=256"]]
+
+
+def test_an_unknown_step_is_refused(tmp_path):
+  proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu", "session.sh"), str(tmp_path), "env", "suit"],
+                        capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 2 and "unknown step suit" in proc.stderr
+  assert not (tmp_path / "env.log").exists()  # refused before the first step ran
