@@ -41,8 +41,8 @@ def packed(lengths, total, seed=0):
   return tokens[None], seg[None], pos[None]
 
 
-def zero_perturbations(model, inputs):
-  return jax.tree.map(jnp.zeros_like, model.init(jax.random.key(0), **inputs)["perturbations"])
+def zero_perturbations(model, inputs):  # (from the shapes alone: an op-by-op init takes seconds)
+  return jax.tree.map(jnp.zeros_like, jax.eval_shape(model.init, jax.random.key(0), **inputs)["perturbations"])
 
 
 @pytest.mark.parametrize("variant", [BERT, ("--config.model.family=encoder", "--config.model.position=rotary"),
@@ -94,7 +94,7 @@ def test_encoder_decoder_information_flow(variant):
   w = jnp.asarray(np.random.default_rng(0).normal(size=32), jnp.float32)  # a random read-out: a plain
   # sum over features of a layer-normed output is constant and would hide all dependence
   encoded = lambda e: model.apply({"params": params, "perturbations": e}, enc_tokens, enc_seg, enc_pos)[0] @ w
-  enc_only = np.abs(np.asarray(jax.jacrev(encoded)(eps0)["encoder_embeddings"][:, 0])).sum(-1)  # [s, s]
+  enc_only = np.abs(np.asarray(jax.jit(jax.jacrev(encoded))(eps0)["encoder_embeddings"][:, 0])).sum(-1)  # [s, s]
   for i in range(14):
     for j in range(16):
       assert (enc_only[i, j] > 0) == bool(enc_seg[0, j] == enc_seg[0, i]), ("encoder", i, j)

@@ -557,10 +557,15 @@ def test_bi_data_signs_reach_the_model():
   objective = plm(perm_size=8, bi_data=True)
   assert objective.reversed_streams()
   batch = random_rows(jax.random.PRNGKey(36), 6, 32)
-  objective.loss(model, params, batch, jax.random.PRNGKey(37), train=True)
-  objective.loss(model, params, batch, jax.random.PRNGKey(37), train=False)
-  np.testing.assert_array_equal(model.seen[0], [1, 1, 1, -1, -1, -1])
-  assert model.seen[1] is None  # eval batches are forward text
+
+  def sign_seen(train):  # traced (op by op the loss takes seconds): the sign comes back as the output
+    return jax.jit(lambda p, b: (objective.loss(model, p, b, jax.random.PRNGKey(37), train=train),
+                                 model.seen[-1])[1])(params, batch)
+
+  seen = [sign_seen(True), sign_seen(False)]
+  assert len(model.seen) == 2
+  np.testing.assert_array_equal(seen[0], [1, 1, 1, -1, -1, -1])
+  assert seen[1] is None  # eval batches are forward text
 
 
 def test_reversed_row_with_negated_distances_equals_forward_row():
