@@ -236,8 +236,8 @@ def test_eval_with_memory_carries_it_across_held_out_streams(tmp_path, shared_to
 
   memory, total, count, losses = exp.objective.init_state(config.train.batch_size, exp.model.cfg), 0.0, 0.0, []
   for batch in batches:  # the memory threaded through by hand
-    loss, k, memory = loss_of(params, {k: jnp.asarray(v) for k, v in batch.items()}, memory)
-    total, count = total + float(loss) * float(k), count + float(k)
+    loss, tokens, memory = loss_of(params, {k: jnp.asarray(v) for k, v in batch.items()}, memory)
+    total, count = total + float(loss) * float(tokens), count + float(tokens)
     losses.append(float(loss))
   np.testing.assert_allclose(reported["loss"], total / count, rtol=2e-5)
 
