@@ -102,8 +102,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Attention implementation: 'auto' (cuDNN's fused kernel on a GPU for bf16/fp16 and head_dim
   # <= 128, XLA otherwise), 'xla', 'cudnn' (falls back to XLA where it cannot run), 'pallas' (Pallas
   # flash attention from segment ids on a GPU, for packed self-attention without a bias; XLA
-  # elsewhere) or 'reference' (the einsum reference, for debugging). The kernel chosen is logged
-  # once with the reason.
+  # elsewhere), 'splash' (splash attention from segment ids on a TPU, the same cases, rows a
+  # multiple of 128 tokens; XLA elsewhere) or 'reference' (the einsum reference, for debugging).
+  # The kernel chosen is logged once with the reason.
   c.model.attention = "auto"
   # Fuse the output projection with the token loss (the objectives that predict tokens from the final
   # hidden states: causal, prefix and span-corruption LMs, text infilling, UL2): each row is cut into

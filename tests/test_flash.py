@@ -1,6 +1,7 @@
-"""The Pallas flash-attention path (`model.attention=pallas`): segment-id masks, the kernel
-against the reference attention (in Pallas' interpreter on this CPU), the choice and its
-fallbacks, and a model's function unchanged by it."""
+"""The segment-id attention kernels, Pallas flash attention on GPU (`model.attention=pallas`) and
+splash attention on TPU (`model.attention=splash`): segment-id masks, each kernel against the
+reference attention (in Pallas' interpreter on this CPU), the choice and its fallbacks, a model's
+function unchanged by it, and the kernel run per device on a mesh."""
 
 import flax.linen as nn
 import jax
@@ -13,7 +14,6 @@ from tests.test_ops import random_packed
 from tfx import ops
 from tfx.models import build_model
 from tfx.ops import attention as attn
-from tfx.ops import flash
 
 
 def _qkv(rng, b, t, h, kh, d, dtype=jnp.float32):
@@ -39,20 +39,36 @@ def test_segment_mask_is_the_family_mask():
 
 
 CASES = {
-    # (b, t, heads, kv heads, causal, max documents, max padding): t = 48 is three 16-token blocks,
-    # so documents straddle block boundaries.
-    "causal_packed": (2, 48, 2, 2, True, 4, 0),
-    "causal_padded": (2, 48, 2, 2, True, 2, 20),
-    "bidirectional_packed_padded": (2, 48, 2, 2, False, 3, 9),
-    "grouped_query_heads": (2, 32, 4, 2, True, 3, 5),
+    # (b, t, heads, kv heads, causal, max documents, max padding): t = 48 is three of the Pallas
+    # kernel's 16-token blocks and 256 two of splash's 128-token ones, so documents straddle
+    # block boundaries.
+    "pallas": {
+        "causal_packed": (2, 48, 2, 2, True, 4, 0),
+        "causal_padded": (2, 48, 2, 2, True, 2, 20),
+        "bidirectional_packed_padded": (2, 48, 2, 2, False, 3, 9),
+        "grouped_query_heads": (2, 32, 4, 2, True, 3, 5),
+    },
+    "splash": {
+        "causal_packed": (2, 256, 2, 2, True, 4, 0),
+        "causal_padded": (2, 256, 2, 2, True, 2, 70),
+        "bidirectional_packed_padded": (2, 256, 2, 2, False, 3, 30),
+        "grouped_query_heads": (2, 128, 4, 2, True, 3, 5),
+    },
 }
+# Splash's interpreted runs at its 128-token blocks take longer: two of its cases, its model and
+# mesh runs are slow tests (make test-slow; CI runs both).
+SLOW_SPLASH = ("causal_packed", "bidirectional_packed_padded")
+KERNEL_CASES = [pytest.param(kernel, case, id=f"{kernel}-{case}",
+                             marks=[pytest.mark.slow] if kernel == "splash" and case in SLOW_SPLASH else [])
+                for kernel in CASES for case in CASES[kernel]]
+KERNELS = ["pallas", pytest.param("splash", marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_flash_attention_matches_the_reference(case):
-  """Values and gradients (q, k, v) of the kernel equal XLA's attention and the einsum reference
+@pytest.mark.parametrize("kernel,case", KERNEL_CASES)
+def test_segment_kernel_matches_the_reference(kernel, case):
+  """Values and gradients (q, k, v) of each kernel equal XLA's attention and the einsum reference
   under the same mask, padding queries give exact zeros, and nothing reaches a padding key."""
-  b, t, h, kh, causal, docs, pad = CASES[case]
+  b, t, h, kh, causal, docs, pad = CASES[kernel][case]
   rng = np.random.default_rng(len(case))
   seg = jnp.asarray(random_packed(rng, b, t, max_docs=docs, pad=pad)[0])
   seg = seg.at[0, -pad:].set(0) if pad else seg  # at least one padded row when the case pads
@@ -63,7 +79,8 @@ def test_flash_attention_matches_the_reference(case):
   def loss(fn):
     return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * cot), argnums=(0, 1, 2)))
 
-  flash_fn = lambda q, k, v: flash.flash_attention(q, k, v, seg, causal=causal, scale=0.25)
+  attend = attn.SEGMENT_KERNELS[kernel][1]
+  flash_fn = lambda q, k, v: attend(q, k, v, seg, causal=causal, scale=0.25)
   out = flash_fn(q, k, v)
   valid = np.asarray(seg > 0)
   assert not np.any(np.asarray(out)[~valid]), "padding queries must give zeros"
@@ -79,25 +96,37 @@ def test_flash_attention_matches_the_reference(case):
   assert not np.any(dk[~valid]) and not np.any(dv[~valid]), "a padding key got a gradient"
 
 
-def test_pallas_choice_and_fallbacks(monkeypatch, caplog):
-  """'pallas' runs the kernel on a GPU for a segment-id mask, and XLA's attention (the same
-  numbers, one log line with the reason) off a GPU and for what the kernel cannot take: a dense
-  mask (prefix LM, two streams, cross attention), a bias, a row length off the block grid."""
+# kernel -> (the device it runs on, its patched backend check, its row length here, a row length
+# off its block grid, its smallest block)
+DEVICES = {"pallas": ("GPU", "_on_gpu", 32, 24, 16), "splash": ("TPU", "_on_tpu", 128, 96, 128)}
+
+
+@pytest.mark.parametrize("kernel", list(DEVICES))
+def test_segment_kernel_choice_and_fallbacks(kernel, monkeypatch, caplog):
+  """'pallas' runs its kernel on a GPU and 'splash' on a TPU for a segment-id mask, and XLA's
+  attention (the same numbers, one log line with the reason) elsewhere and for what the kernel
+  cannot take: a dense mask (prefix LM, two streams, cross attention), a bias, a row length off
+  the block grid. 'auto' is unchanged by either."""
+  device, on_device, t, odd_t, block = DEVICES[kernel]
+  name = attn.SEGMENT_KERNELS[kernel][2]
   choose = attn.choose_implementation
-  assert choose("pallas", jnp.float32, 64) == ("xla", f"no GPU (backend {jax.default_backend()})")
-  monkeypatch.setattr(attn, "_on_gpu", lambda: True)
-  assert choose("pallas", jnp.float32, 64) == ("pallas", "GPU, segment ids")
-  assert choose("auto", jnp.bfloat16, 64)[0] == "cudnn"  # 'auto' is unchanged
+  assert choose(kernel, jnp.float32, 64) == ("xla", f"no {device} (backend {jax.default_backend()})")
+  monkeypatch.setattr(attn, on_device, lambda: True)
+  assert choose(kernel, jnp.float32, 64) == (kernel, f"{device}, segment ids")
+  if kernel == "pallas":
+    assert choose("auto", jnp.bfloat16, 64)[0] == "cudnn"
+  else:  # on a TPU 'auto' keeps XLA's attention: splash is opt-in until it has run on one
+    assert choose("auto", jnp.bfloat16, 64)[0] == "xla"
 
   rng = np.random.default_rng(3)
-  seg, pos = (jnp.asarray(a) for a in random_packed(rng, 2, 32))
-  q, k, v = _qkv(rng, 2, 32, 2, 2, 16)
-  run = lambda mask, **kw: ops.dot_product_attention(q, k, v, mask=mask, implementation="pallas", **kw)
+  seg, pos = (jnp.asarray(a) for a in random_packed(rng, 2, t))
+  q, k, v = _qkv(rng, 2, t, 2, 2, 16)
+  run = lambda mask, **kw: ops.dot_product_attention(q, k, v, mask=mask, implementation=kernel, **kw)
   xla = lambda mask, **kw: ops.dot_product_attention(q, k, v, mask=ops.dense_mask(mask), implementation="xla", **kw)
   prefix = ops.prefix_lm_mask(seg, pos, jnp.full((2, 1), 5))
-  bias = jnp.asarray(rng.normal(size=(1, 2, 32, 32)), jnp.float32)
-  odd = ops.SegmentMask(seg[:, :24], causal=True)
-  q24, k24, v24 = q[:, :24], k[:, :24], v[:, :24]
+  bias = jnp.asarray(rng.normal(size=(1, 2, t, t)), jnp.float32)
+  odd = ops.SegmentMask(seg[:, :odd_t], causal=True)
+  q_odd, k_odd, v_odd = q[:, :odd_t], k[:, :odd_t], v[:, :odd_t]
   attn._LOGGED.clear()
   with caplog.at_level("INFO", logger="tfx.attention"):
     np.testing.assert_allclose(run(ops.SegmentMask(seg, causal=True)), xla(ops.SegmentMask(seg, causal=True)),
@@ -106,14 +135,14 @@ def test_pallas_choice_and_fallbacks(monkeypatch, caplog):
     segmask = ops.SegmentMask(seg)
     np.testing.assert_array_equal(run(segmask, bias=bias), xla(segmask, bias=bias))
     np.testing.assert_array_equal(
-        ops.dot_product_attention(q24, k24, v24, mask=odd, implementation="pallas"),
-        ops.dot_product_attention(q24, k24, v24, mask=odd.dense(), implementation="xla"))
+        ops.dot_product_attention(q_odd, k_odd, v_odd, mask=odd, implementation=kernel),
+        ops.dot_product_attention(q_odd, k_odd, v_odd, mask=odd.dense(), implementation="xla"))
   lines = [r.getMessage() for r in caplog.records if r.name == "tfx.attention"]
-  assert lines[0] == "attention: pallas (GPU, segment ids)", lines
-  refusals = [line for line in lines[1:] if "Pallas flash attention refused" in line]
+  assert lines[0] == f"attention: {kernel} ({device}, segment ids)", lines
+  refusals = [line for line in lines[1:] if f"{name} refused" in line]
   assert len(refusals) == 3 and all(line.startswith("attention: xla (") for line in refusals), lines
   assert any("dense mask" in line for line in refusals) and any("bias" in line for line in refusals)
-  assert any("not a multiple of 16" in line for line in refusals)
+  assert any(f"not a multiple of {block}" in line for line in refusals)
 
 
 def _logits_and_grads(model, params, tokens, seg, pos, cot):
@@ -125,15 +154,17 @@ def _logits_and_grads(model, params, tokens, seg, pos, cot):
   return jax.jit(jax.value_and_grad(f))(params)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("family", ["decoder", "encoder"])
-def test_model_function_is_unchanged_by_the_pallas_path(family, monkeypatch):
+def test_model_function_is_unchanged_by_the_segment_kernel(family, kernel, monkeypatch):
   """A GPT-style decoder and a BERT-style encoder (scanned layers, remat) compute the same
-  logits and parameter gradients with model.attention=pallas (the kernel, interpreted) as with
-  XLA's attention, on packed rows with padding."""
-  monkeypatch.setattr(attn, "_on_gpu", lambda: True)
-  length, vocab = 32, 97
+  logits and parameter gradients with model.attention=pallas or splash (the kernel, interpreted)
+  as with XLA's attention, on packed rows with padding."""
+  _, on_device, length, _, _ = DEVICES[kernel]
+  monkeypatch.setattr(attn, on_device, lambda: True)
+  vocab = 97
   models = {}
-  for impl in ("xla", "pallas"):
+  for impl in ("xla", kernel):
     cfg = tiny_config(f"--config.model.family={family}", "--config.model.num_layers=2", "--config.model.d_model=32",
                       "--config.model.d_ff=64", f"--config.model.attention={impl}")
     models[impl] = build_model(cfg.model, vocab_size=vocab, max_length=length)
@@ -143,25 +174,26 @@ def test_model_function_is_unchanged_by_the_pallas_path(family, monkeypatch):
   tokens = jnp.asarray(rng.integers(4, vocab, (2, length)), jnp.int32)
   cot = jnp.asarray(rng.normal(size=(2, length, vocab)), jnp.float32) * (seg > 0)[..., None]
   want, want_grads = _logits_and_grads(models["xla"], params, tokens, seg, pos, cot)
-  got, got_grads = _logits_and_grads(models["pallas"], params, tokens, seg, pos, cot)
+  got, got_grads = _logits_and_grads(models[kernel], params, tokens, seg, pos, cot)
   np.testing.assert_allclose(got, want, rtol=1e-5)
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
 
 
 _SHARDED_SCRIPT = r"""
-import json, os
+import json, os, sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 import jax, jax.numpy as jnp, ml_collections, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tfx import parallel
-from tfx.ops import flash
+from tfx.ops.attention import SEGMENT_KERNELS
 
+kernel, t = sys.argv[1], int(sys.argv[2])
 mesh = parallel.make_mesh(ml_collections.ConfigDict(dict(data=2, fsdp=2, tensor=2)))
 rng = np.random.default_rng(0)
-q, k, v = (jnp.asarray(rng.normal(size=(4, 32, 4, 16)), jnp.float32) for _ in range(3))
-seg = jnp.asarray(np.repeat([[1] * 20 + [2] * 8 + [0] * 4], 4, 0), jnp.int32)
-attend = lambda q, k, v, s: flash.flash_attention(q, k, v, s, causal=True, scale=0.25)
+q, k, v = (jnp.asarray(rng.normal(size=(4, t, 4, 16)), jnp.float32) for _ in range(3))
+seg = jnp.asarray(np.repeat([[1] * (t * 5 // 8) + [2] * (t // 4) + [0] * (t // 8)], 4, 0), jnp.int32)
+attend = lambda q, k, v, s: SEGMENT_KERNELS[kernel][1](q, k, v, s, causal=True, scale=0.25)
 loss = lambda q, k, v, s: jnp.sum(attend(q, k, v, s) ** 2)
 want = [attend(q, k, v, seg), *jax.grad(loss, argnums=(0, 1, 2))(q, k, v, seg)]
 with parallel.context(mesh):
@@ -176,8 +208,9 @@ print(json.dumps({"diff": [float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) 
 """
 
 
-def test_flash_attention_runs_per_device_on_a_mesh(tmp_path):
-  """On 8 fake devices (2-way data x 2-way FSDP x 2-way tensor), the kernel runs on each device's
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_segment_kernel_runs_per_device_on_a_mesh(kernel, tmp_path):
+  """On 8 fake devices (2-way data x 2-way FSDP x 2-way tensor), each kernel runs on each device's
   rows and heads: the same output and q/k/v gradients as on one device, no collective in the
   compiled forward or backward (an opaque Pallas call left to XLA's partitioner gathers every
   operand onto every device), and the output keeps the activations' sharding."""
@@ -189,7 +222,8 @@ def test_flash_attention_runs_per_device_on_a_mesh(tmp_path):
   from tests.conftest import ROOT
 
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-  proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, capture_output=True, text=True,
+  length = str(DEVICES[kernel][2])
+  proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT, kernel, length], env=env, capture_output=True, text=True,
                         timeout=600, cwd=str(tmp_path))
   assert proc.returncode == 0, proc.stderr[-4000:]
   out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,10 +1,10 @@
 """Every attention kernel against the reference attention, on whatever device is here.
 
-    python -m tfx.check_attention [--dtype bfloat16] [--implementations auto,cudnn,pallas,xla]
+    python -m tfx.check_attention [--dtype bfloat16] [--implementations auto,cudnn,pallas,splash,xla]
         [--length 128] [--json out.json]
 
 The unit tests check the kernels on the CPU (XLA's attention, and the Pallas kernel in Pallas'
-interpreter); this is the same check for the device that trains: run it once on a GPU (or TPU)
+interpreter); this is the same check for the device that trains: run it once on a GPU or TPU
 host before trusting a fused kernel there. For each mask a family builds (causal and
 bidirectional packed rows with padding, grouped-query heads, prefix LM, XLNet's two streams,
 cross attention) and each `model.attention` value, it runs `tfx.ops.dot_product_attention` as a
@@ -31,7 +31,7 @@ from tfx import ops
 # Largest error relative to the largest reference value. Float32 allows TF32 matmuls (a GPU's
 # default precision); bf16 and fp16 keep 8 and 11 bits of mantissa in q, k, v and the output.
 TOLERANCE = {"float32": 2e-3, "bfloat16": 3e-2, "float16": 5e-3}
-IMPLEMENTATIONS = ("auto", "cudnn", "pallas", "xla")
+IMPLEMENTATIONS = ("auto", "cudnn", "pallas", "splash", "xla")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -73,7 +73,7 @@ def tiny_config(config: ml_collections.ConfigDict, family: str) -> ml_collection
   m.family = family
   m.num_layers, m.num_decoder_layers, m.d_model, m.num_heads, m.head_dim, m.d_ff = 2, 0, 64, 4, 0, 128
   m.dropout, m.attention_dropout, m.dtype, m.remat = 0.0, 0.0, "float32", "none"
-  if m.get("attention", "auto") in ("auto", "cudnn", "pallas"):
+  if m.get("attention", "auto") in ("auto", "cudnn", "pallas", "splash"):
     m.attention = "xla"
   if family == "xlnet" and m.get("mem_len", 0):
     m.mem_len = min(m.mem_len, 16)

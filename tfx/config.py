@@ -286,7 +286,7 @@ _CHOICES = {
     "model.norm_type": ("layernorm", "rmsnorm"),
     "model.mlp": ("gelu", "gelu_exact", "relu", "geglu", "swiglu"),
     "model.dtype": ("float32", "bfloat16"),
-    "model.attention": ("auto", "xla", "cudnn", "pallas", "reference"),
+    "model.attention": ("auto", "xla", "cudnn", "pallas", "splash", "reference"),
     "model.relative_distance": ("columns", "positions"),
     "data.verify_store": ("background", "open", "off"),
 }

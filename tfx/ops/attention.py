@@ -8,7 +8,8 @@ A mask is boolean, `True` = the query may attend to the key, shaped [b, 1|h, t, 
 (the head axis broadcasts). `jax.nn.dot_product_attention` has no segment-id argument, so
 packing, padding, causality and prefix-LM are all expressed as such a mask. The one exception
 is `SegmentMask`: a packed row's self-attention given by its segment ids, which the Pallas flash
-kernel (`model.attention=pallas`) reads without building the [b, 1, t, t] array. A query row with
+kernel (`model.attention=pallas`, GPU) and splash attention (`model.attention=splash`, TPU) read
+without building the [b, 1, t, t] array. A query row with
 no allowed key would silently softmax to the mean of V (a leak); `assert_rows_attend` and
 the `guard` of `dot_product_attention` make that an error or exact zeros.
 """
@@ -23,9 +24,15 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from tfx.ops import flash
+from tfx.ops import flash, splash
 
-Implementation = Literal["auto", "xla", "cudnn", "pallas", "reference"]
+Implementation = Literal["auto", "xla", "cudnn", "pallas", "splash", "reference"]
+# The kernels that read a packed row's segment ids (`SegmentMask`) instead of a dense mask:
+# implementation -> (why it cannot run on these inputs, the kernel, its name in a refusal).
+SEGMENT_KERNELS = {
+    "pallas": (flash.unsupported, flash.flash_attention, "Pallas flash attention"),
+    "splash": (splash.unsupported, splash.splash_attention, splash.NAME),
+}
 
 # Large finite negative for masked scores (not -inf, so fully masked rows do not give NaN).
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -80,7 +87,7 @@ class SegmentMask:
 
   Query i may attend key j when both are in the same segment, neither is padding (segment 0)
   and, when `causal`, j <= i: `dense()` is `decoder_mask` (causal) or `segment_mask`. A kernel
-  that takes segment ids (`model.attention=pallas`) never builds the array; every other path
+  that takes segment ids (`model.attention=pallas` or `splash`) never builds the array; every other path
   attends with `dense()`. A pytree (the ids are its leaf, `causal` is static), so it passes
   through scan and remat as the dense mask does.
   """
@@ -98,7 +105,7 @@ def self_attention_mask(segment_ids: jax.Array, *, causal: bool, implementation:
   `model.attention=pallas` (its kernel reads the ids), the [b, 1, t, t] array otherwise (built
   once per step and read by every layer)."""
   mask = SegmentMask(segment_ids, causal)
-  return mask if implementation == "pallas" else mask.dense()
+  return mask if implementation in SEGMENT_KERNELS else mask.dense()
 
 
 def dense_mask(mask: "jax.Array | SegmentMask | None") -> jax.Array | None:
@@ -280,6 +287,10 @@ def _on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
 
+def _on_tpu() -> bool:
+  return jax.default_backend() == "tpu"
+
+
 _LOGGED: set[tuple[str, str]] = set()
 _RECORDERS: list[list[tuple[str, str]]] = []
 
@@ -318,14 +329,16 @@ def choose_implementation(implementation: Implementation, dtype, head_dim: int) 
 
   'auto' is cuDNN's fused kernel on a GPU for bf16/fp16 inputs with a head dim it supports
   (<= 128, a multiple of 8), XLA's einsum attention otherwise. An explicit 'cudnn' that cannot
-  run here (no GPU, fp32 inputs, head dim) falls back to XLA instead of failing, and so does an
-  explicit 'pallas' off a GPU (`dot_product_attention` also sends it to XLA for a mask or bias
-  its kernel cannot take: `tfx.ops.flash.unsupported`).
+  run here (no GPU, fp32 inputs, head dim) falls back to XLA instead of failing, and so do an
+  explicit 'pallas' off a GPU and 'splash' off a TPU (`dot_product_attention` also sends them to
+  XLA for a mask or bias their kernel cannot take: `tfx.ops.flash.unsupported`).
   """
   if implementation in ("xla", "reference"):
     return implementation, "model.attention"
-  if implementation not in ("auto", "cudnn", "pallas"):
-    raise ValueError(f"unknown model.attention {implementation!r}; choose auto, xla, cudnn, pallas or reference")
+  if implementation not in ("auto", "cudnn", "pallas", "splash"):
+    raise ValueError(f"unknown model.attention {implementation!r}; choose auto, xla, cudnn, pallas, splash or reference")
+  if implementation == "splash":
+    return ("splash", "TPU, segment ids") if _on_tpu() else ("xla", f"no TPU (backend {jax.default_backend()})")
   if not _on_gpu():
     return "xla", f"no GPU (backend {jax.default_backend()})"
   if implementation == "pallas":
@@ -353,10 +366,11 @@ def dot_product_attention(
   Args:
     q: [b, t, h, d]; k, v: [b, s, k, d].
     mask: bool [b|1, h|1, t, s], True = may attend, or a `SegmentMask` (a packed row's
-      self-attention: the 'pallas' kernel reads its ids, every other path its `dense()` array).
+      self-attention: the 'pallas' and 'splash' kernels read its ids, every other path its
+      `dense()` array).
     bias: float [b|1, h|1, t, s] added to the scores (relative positions, ...).
     scale: score scale, default 1/sqrt(d).
-    implementation: 'auto' | 'xla' | 'cudnn' | 'pallas' | 'reference' (see
+    implementation: 'auto' | 'xla' | 'cudnn' | 'pallas' | 'splash' | 'reference' (see
       `choose_implementation`; the kernel chosen is logged once, on the `tfx.attention` logger,
       with the reason).
     guard: zero the output of query rows that have no allowed key, instead of the mean of V
@@ -367,13 +381,14 @@ def dot_product_attention(
     [b, t, h, d] in q's dtype.
   """
   impl, why = choose_implementation(implementation, q.dtype, q.shape[-1])
-  if impl == "pallas":
-    refused = flash.unsupported(q, k, mask, bias)
+  if impl in SEGMENT_KERNELS:
+    unsupported, kernel, name = SEGMENT_KERNELS[impl]
+    refused = unsupported(q, k, mask, bias)
     if refused is None:
       log_choice(impl, why)
       scale = q.shape[-1] ** -0.5 if scale is None else scale
-      return flash.flash_attention(q, k, v, mask.segment_ids, causal=mask.causal, scale=scale)
-    impl, why = "xla", f"Pallas flash attention refused: {refused}"
+      return kernel(q, k, v, mask.segment_ids, causal=mask.causal, scale=scale)
+    impl, why = "xla", f"{name} refused: {refused}"
   mask = dense_mask(mask)
   if impl == "reference":
     out = reference_attention(q, k, v, mask=mask, bias=bias, scale=scale)

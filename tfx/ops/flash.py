@@ -21,13 +21,14 @@ BLOCKS = (128, 64, 32, 16)
 BACKWARD_BLOCK = 32
 
 
-def block_length(t: int) -> int | None:
-  """The largest block in BLOCKS that divides t, or None (the kernel cannot run on t)."""
-  return next((b for b in BLOCKS if t % b == 0), None)
+def block_length(t: int, blocks: tuple[int, ...] = BLOCKS) -> int | None:
+  """The largest of `blocks` that divides t, or None (the kernel cannot run on t)."""
+  return next((b for b in blocks if t % b == 0), None)
 
 
-def unsupported(q: jax.Array, k: jax.Array, mask, bias) -> str | None:
-  """Why the flash kernel cannot compute this attention (a short reason), or None if it can."""
+def unsupported(q: jax.Array, k: jax.Array, mask, bias, *, blocks: tuple[int, ...] = BLOCKS) -> str | None:
+  """Why a segment-id kernel with these block lengths (this module's, or splash's on TPU) cannot
+  compute this attention (a short reason), or None if it can."""
   from tfx.ops.attention import SegmentMask  # noqa: PLC0415  (attention imports this module)
 
   if not isinstance(mask, SegmentMask):
@@ -36,8 +37,8 @@ def unsupported(q: jax.Array, k: jax.Array, mask, bias) -> str | None:
     return "it takes no attention bias"
   if q.shape[1] != k.shape[1]:
     return f"it needs self-attention, got {q.shape[1]} queries over {k.shape[1]} keys"
-  if block_length(q.shape[1]) is None:
-    return f"the row length {q.shape[1]} is not a multiple of {BLOCKS[-1]}"
+  if block_length(q.shape[1], blocks) is None:
+    return f"the row length {q.shape[1]} is not a multiple of {blocks[-1]}"
   if q.shape[2] % k.shape[2]:
     return f"{q.shape[2]} query heads do not group over {k.shape[2]} key/value heads"
   return None
