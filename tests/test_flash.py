@@ -230,3 +230,28 @@ def test_segment_kernel_runs_per_device_on_a_mesh(kernel, tmp_path):
   assert out["diff"] == [0.0, 0.0, 0.0, 0.0], out
   assert out["collectives"] == 0, out
   assert out["out_sharding"] == "P(('data', 'fsdp'), None, 'tensor', None)", out
+
+
+@pytest.mark.slow
+def test_remat_dots_attention_keeps_the_splash_residuals(monkeypatch):
+  """Under model.remat=dots_attention the backward pass reuses splash's named forward residuals
+  (output, log-sum-exp) instead of running its forward kernel again, as model.remat=full does: in
+  the compiled gradient of a scanned decoder, interpreted, each Pallas kernel is one loop."""
+  import re
+
+  monkeypatch.setattr(attn, "_on_tpu", lambda: True)
+  length = DEVICES["splash"][2]
+  loops = {}
+  for remat in ("dots_attention", "full"):
+    cfg = tiny_config("--config.model.family=decoder", "--config.model.num_layers=2", "--config.model.d_model=32",
+                      "--config.model.d_ff=64", "--config.model.attention=splash", f"--config.model.remat={remat}")
+    model = build_model(cfg.model, vocab_size=97, max_length=length)
+    params = jax.eval_shape(lambda m=model: nn.unbox(m.init(jax.random.key(0), **type(m).init_inputs(1, length))["params"]))
+    tokens, seg = jnp.ones((2, length), jnp.int32), jnp.ones((2, length), jnp.int32)
+    pos = jnp.tile(jnp.arange(length), (2, 1))
+    loss = lambda p, m=model: jnp.sum(m.apply({"params": p}, tokens, seg, pos).astype(jnp.float32))
+    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    loops[remat] = len(re.findall(r" while\(", hlo))
+  # the layer scan forward and backward, splash's forward, dQ and dK/dV kernels; full remat adds
+  # the forward kernel again inside the backward scan
+  assert loops == {"dots_attention": 5, "full": 6}, loops
