@@ -8,12 +8,23 @@ mask or keeps [b, h, t, t] probabilities. It covers a family's self-attention ov
 cross attention, two streams, a bias) go to XLA's attention (`tfx.ops.dot_product_attention`
 decides and logs why).
 
+Under `model.remat=dots_attention` the backward pass reads the forward kernel's output and
+log-sum-exp, named `attention_out` (one of `tfx.ops.attention.RESIDUAL_NAMES`), instead of running
+the forward kernel again: the kernel's own VJP does not name them, so this module wraps the two
+kernels in a VJP of its own (`_named_mha`). That calls the backward of JAX's module, a private
+function; a JAX whose function differs gets the kernel's own VJP (the same numbers, the forward
+kernel run again under remat).
+
 Off a GPU the same kernel runs in Pallas' interpreter (slow, exact): that is how the tests check
 it against the reference attention on CPU.
 """
 
+import functools
+import inspect
+
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 # Query / key block lengths tried, largest first; a row length must be a multiple of one.
 BLOCKS = (128, 64, 32, 16)
@@ -42,6 +53,45 @@ def unsupported(q: jax.Array, k: jax.Array, mask, bias, *, blocks: tuple[int, ..
   if q.shape[2] % k.shape[2]:
     return f"{q.shape[2]} query heads do not group over {k.shape[2]} key/value heads"
   return None
+
+
+# The parameters of `jax.experimental.pallas.ops.gpu.attention._mha_backward` this module passes.
+_BACKWARD_PARAMS = ("sm_scale", "causal", "block_sizes", "backward_pass_impl", "num_warps", "num_stages", "grid",
+                    "interpret", "debug", "return_residuals", "res", "do")
+
+
+def _pallas_backward():
+  """JAX's backward kernels for its Pallas GPU attention, or None if this JAX's differ."""
+  from jax.experimental.pallas.ops.gpu import attention as pallas_attention  # noqa: PLC0415  (only when used)
+
+  backward = getattr(pallas_attention, "_mha_backward", None)
+  if backward is None or tuple(inspect.signature(backward).parameters) != _BACKWARD_PARAMS:
+    return None
+  return backward
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _named_mha(q, k, v, ids, scale, causal, sizes, interpret):
+  """JAX's Pallas GPU attention with its residuals named for remat ([b, t, h, d] each)."""
+  return _named_mha_fwd(q, k, v, ids, scale, causal, sizes, interpret)[0]
+
+
+def _named_mha_fwd(q, k, v, ids, scale, causal, sizes, interpret):
+  from jax.experimental.pallas.ops.gpu import attention as pallas_attention  # noqa: PLC0415
+
+  out, lse = pallas_attention.mha(q, k, v, ids, sm_scale=scale, causal=causal, block_sizes=sizes,
+                                  interpret=interpret, return_residuals=True)  # [b, t, h, d], [b, h, t]
+  out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_out")
+  return out, (q, k, v, ids, out, lse)
+
+
+def _named_mha_bwd(scale, causal, sizes, interpret, residuals, d_out):
+  d_q, d_k, d_v, _ = _pallas_backward()(scale, causal, sizes, "triton", None, 2, None, interpret, False, False,
+                                        residuals, d_out)
+  return d_q, d_k, d_v, None
+
+
+_named_mha.defvjp(_named_mha_fwd, _named_mha_bwd)
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool,
@@ -75,9 +125,14 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
 
+  named = _pallas_backward() is not None
+
   def kernel(q, k, v, ids):  # one device's rows and heads: [b', t, h', d], ids [b', t]
-    out = pallas_attention.mha(q, k, v, ids, sm_scale=float(scale), causal=causal, block_sizes=sizes,
-                               interpret=interpret)  # [b', t, h', d]
+    if named:
+      out = _named_mha(q, k, v, ids, float(scale), causal, sizes, interpret)  # [b', t, h', d]
+    else:
+      out = pallas_attention.mha(q, k, v, ids, sm_scale=float(scale), causal=causal, block_sizes=sizes,
+                                 interpret=interpret)  # [b', t, h', d]
     # The kernel lets padding queries attend padding keys (both segment 0): zero them, as the mask
     # allows them nothing (their zero cotangent also keeps them out of dK and dV).
     return jnp.where((ids > 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
