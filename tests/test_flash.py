@@ -203,6 +203,7 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 import jax, jax.numpy as jnp, ml_collections, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tfx import parallel
+from tfx.ops import SegmentMask, flash
 from tfx.ops.attention import SEGMENT_KERNELS
 
 kernel, t = sys.argv[1], int(sys.argv[2])
@@ -212,16 +213,24 @@ q, k, v = (jnp.asarray(rng.normal(size=(4, t, 4, 16)), jnp.float32) for _ in ran
 seg = jnp.asarray(np.repeat([[1] * (t * 5 // 8) + [2] * (t // 4) + [0] * (t // 8)], 4, 0), jnp.int32)
 attend = lambda q, k, v, s: SEGMENT_KERNELS[kernel][1](q, k, v, s, causal=True, scale=0.25)
 loss = lambda q, k, v, s: jnp.sum(attend(q, k, v, s) ** 2)
-want = [attend(q, k, v, seg), *jax.grad(loss, argnums=(0, 1, 2))(q, k, v, seg)]
-with parallel.context(mesh):
-  heads = NamedSharding(mesh, P(parallel.BATCH_AXES, None, "tensor", None))
-  args = [jax.device_put(x, heads) for x in (q, k, v)] + [jax.device_put(seg, parallel.batch_sharding(mesh))]
-  forward, backward = jax.jit(attend), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-  got = [forward(*args), *backward(*args)]
-  hlo = forward.lower(*args).compile().as_text() + backward.lower(*args).compile().as_text()
-print(json.dumps({"diff": [float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(got, want)],
-                  "collectives": sum(hlo.count(op) for op in ("all-gather", "all-reduce", "all-to-all")),
-                  "out_sharding": str(got[0].sharding.spec)}))
+result = {"diff": [], "collectives": []}
+# 4 key/value heads, then one (multi-query: fewer key/value heads than the 2 head shards)
+for kv in (k, v), (k[:, :, :1], v[:, :, :1]):
+  want = [attend(q, *kv, seg), *jax.grad(loss, argnums=(0, 1, 2))(q, *kv, seg)]
+  with parallel.context(mesh):
+    heads = NamedSharding(mesh, P(parallel.BATCH_AXES, None, "tensor", None))
+    rows = NamedSharding(mesh, P(parallel.BATCH_AXES, None, None, None))  # a single head is not cut
+    args = [jax.device_put(q, heads)] + [jax.device_put(x, heads if x.shape[2] > 1 else rows) for x in kv]
+    args += [jax.device_put(seg, parallel.batch_sharding(mesh))]
+    forward, backward = jax.jit(attend), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    got = [forward(*args), *backward(*args)]
+    hlo = forward.lower(*args).compile().as_text() + backward.lower(*args).compile().as_text()
+  result["diff"] += [float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(got, want)]
+  result["collectives"].append({op: hlo.count(op + "(") for op in ("all-gather", "all-reduce", "all-to-all")})
+  result["out_sharding"] = str(got[0].sharding.spec)
+with parallel.context(mesh):  # 3 heads cannot be cut 2 ways: the kernel refuses (XLA's attention runs)
+  result["refused"] = flash.unsupported(q[:, :, :3], k[:, :, :3], SegmentMask(seg, True), None, blocks=(t,))
+print(json.dumps(result))
 """
 
 
@@ -230,7 +239,10 @@ def test_segment_kernel_runs_per_device_on_a_mesh(kernel, tmp_path):
   """On 8 fake devices (2-way data x 2-way FSDP x 2-way tensor), each kernel runs on each device's
   rows and heads: the same output and q/k/v gradients as on one device, no collective in the
   compiled forward or backward (an opaque Pallas call left to XLA's partitioner gathers every
-  operand onto every device), and the output keeps the activations' sharding."""
+  operand onto every device), and the output keeps the activations' sharding. With a single
+  key/value head, fewer than the head shards, each device attends with its copy and only the
+  head copies' dK and dV are summed across devices (all-reduces; float32 rounding of a sum in
+  another order). Heads that do not divide over the shards are refused (XLA's attention runs)."""
   import json
   import os
   import subprocess
@@ -244,9 +256,13 @@ def test_segment_kernel_runs_per_device_on_a_mesh(kernel, tmp_path):
                         timeout=600, cwd=str(tmp_path))
   assert proc.returncode == 0, proc.stderr[-4000:]
   out = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert out["diff"] == [0.0, 0.0, 0.0, 0.0], out
-  assert out["collectives"] == 0, out
+  assert out["diff"][:6] == [0.0] * 6, out  # all of the first, and the single head's output and dQ
+  assert max(out["diff"][4:]) < 1e-5, out
+  none = {"all-gather": 0, "all-reduce": 0, "all-to-all": 0}
+  assert out["collectives"][0] == none, out
+  assert out["collectives"][1]["all-reduce"] > 0 and out["collectives"][1]["all-gather"] == 0, out
   assert out["out_sharding"] == "P(('data', 'fsdp'), None, 'tensor', None)", out
+  assert out["refused"] == "its 4 rows x 3 heads do not divide over the mesh's 4 row x 2 head shards (it runs on each device's own)", out
 
 
 @pytest.mark.slow

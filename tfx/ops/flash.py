@@ -24,6 +24,7 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 # Query / key block lengths tried, largest first; a row length must be a multiple of one.
@@ -52,6 +53,10 @@ def unsupported(q: jax.Array, k: jax.Array, mask, bias, *, blocks: tuple[int, ..
     return f"the row length {q.shape[1]} is not a multiple of {blocks[-1]}"
   if q.shape[2] % k.shape[2]:
     return f"{q.shape[2]} query heads do not group over {k.shape[2]} key/value heads"
+  rows, heads = shards()
+  if q.shape[0] % rows or q.shape[2] % heads:
+    return (f"its {q.shape[0]} rows x {q.shape[2]} heads do not divide over the mesh's {rows} row x {heads} head "
+            f"shards (it runs on each device's own)")
   return None
 
 
@@ -140,6 +145,31 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
   return per_device(kernel, q, k, v, segment_ids.astype(jnp.int32))
 
 
+def _activation_spec():
+  """The mesh of the current context and the [b, t, h, d] activations' PartitionSpec on it, or
+  None where there is no mesh of several devices."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return None
+  import flax.linen as nn  # noqa: PLC0415  (the logical rules of the mesh context, tfx.parallel.context)
+
+  return mesh, nn.logical_to_mesh_axes(("act_batch", "act_length", "act_heads", "act_kv"))
+
+
+def shards() -> tuple[int, int]:
+  """(row shards, head shards): how many ways `per_device` cuts the batch and the heads."""
+  found = _activation_spec()
+  if found is None:
+    return 1, 1
+  mesh, spec = found
+
+  def ways(axes) -> int:
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+  return ways(spec[0]), ways(spec[2])
+
+
 def per_device(kernel, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array) -> jax.Array:
   """`kernel(q, k, v, ids)` on each device's shard of the rows and heads (`jax.shard_map` over the
   activations' logical sharding: batch over the data axes, heads over `tensor`) when the current
@@ -150,12 +180,11 @@ def per_device(kernel, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array)
   call on a 2x2x2 mesh). Attention needs no communication across rows or heads, so each device
   runs the kernel on its own.
   """
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
+  found = _activation_spec()
+  if found is None:
     return kernel(q, k, v, ids)
-  import flax.linen as nn  # noqa: PLC0415  (the logical rules of the mesh context, tfx.parallel.context)
   from jax.sharding import PartitionSpec  # noqa: PLC0415
 
-  spec = nn.logical_to_mesh_axes(("act_batch", "act_length", "act_heads", "act_kv"))  # [b, t, h, d]
+  _, spec = found  # [b, t, h, d]
   rows = PartitionSpec(*spec[:2])  # [b, t]
   return jax.shard_map(kernel, in_specs=(spec, spec, spec, rows), out_specs=spec, check_vma=False)(q, k, v, ids)

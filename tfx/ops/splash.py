@@ -69,6 +69,9 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     raise ValueError(f"splash attention needs a row length that is a multiple of {BLOCKS[-1]}, got {t}")
   if interpret is None:
     interpret = jax.default_backend() != "tpu"
+  h, kh = q.shape[2], k.shape[2]
+  if kh % flash.shards()[1]:  # fewer key/value heads than head shards: each device needs its own copy
+    k, v = (jnp.repeat(x, h // kh, axis=2) for x in (k, v))  # [b, t, h, d]
 
   def kernel(q, k, v, ids):  # one device's rows and heads: [b', t, h', d], [b', t, k', d], ids [b', t]
     b, _, h, d = q.shape
