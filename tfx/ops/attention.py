@@ -9,9 +9,9 @@ A mask is boolean, `True` = the query may attend to the key, shaped [b, 1|h, t, 
 packing, padding, causality and prefix-LM are all expressed as such a mask. The one exception
 is `SegmentMask`: a packed row's self-attention given by its segment ids, which the Pallas flash
 kernel (`model.attention=pallas`, GPU) and splash attention (`model.attention=splash`, TPU) read
-without building the [b, 1, t, t] array. A query row with
-no allowed key would silently softmax to the mean of V (a leak); `assert_rows_attend` and
-the `guard` of `dot_product_attention` make that an error or exact zeros.
+without building the [b, 1, t, t] array. A query row with no allowed key would silently softmax
+to the mean of V (a leak); `assert_rows_attend` and the `guard` of `dot_product_attention` make
+that an error or exact zeros.
 """
 
 import contextlib
@@ -87,8 +87,8 @@ class SegmentMask:
 
   Query i may attend key j when both are in the same segment, neither is padding (segment 0)
   and, when `causal`, j <= i: `dense()` is `decoder_mask` (causal) or `segment_mask`. A kernel
-  that takes segment ids (`model.attention=pallas` or `splash`) never builds the array; every other path
-  attends with `dense()`. A pytree (the ids are its leaf, `causal` is static), so it passes
+  that takes segment ids (`model.attention=pallas` or `splash`) never builds the array; every
+  other path attends with `dense()`. A pytree (the ids are its leaf, `causal` is static), so it passes
   through scan and remat as the dense mask does.
   """
 
@@ -102,8 +102,8 @@ class SegmentMask:
 
 def self_attention_mask(segment_ids: jax.Array, *, causal: bool, implementation: str) -> "jax.Array | SegmentMask":
   """The mask that every self-attention layer of a family shares: a `SegmentMask` for
-  `model.attention=pallas` (its kernel reads the ids), the [b, 1, t, t] array otherwise (built
-  once per step and read by every layer)."""
+  `model.attention=pallas` or `splash` (their kernels read the ids), the [b, 1, t, t] array
+  otherwise (built once per step and read by every layer)."""
   mask = SegmentMask(segment_ids, causal)
   return mask if implementation in SEGMENT_KERNELS else mask.dense()
 

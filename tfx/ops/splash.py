@@ -8,8 +8,9 @@ own dQ and dK/dV kernels, reading one [b, t] segment-id array for packing instea
 GPUs it covers a family's self-attention over packed rows (`SegmentMask`); what it cannot take
 goes to XLA's attention (`tfx.ops.dot_product_attention` decides and logs why).
 
-Grouped-query heads run as splash's multi-query kernel once per key/value head (no repeated K
-and V). The kernel has no score scale: q is multiplied by it first, in q's dtype (exact for
+Grouped-query heads run as splash's multi-query kernel once per key/value head, without repeating
+K and V (except on a mesh that cuts the heads more ways than there are key/value heads: each
+device then gets a copy per query head). The kernel has no score scale: q is multiplied by it first, in q's dtype (exact for
 head_dim 64, whose scale is a power of two). Its forward residuals (output and log-sum-exp) are
 named `attention_out`, so `model.remat=dots_attention` keeps them, as it keeps XLA attention's.
 
