@@ -1,7 +1,8 @@
 """The segment-id attention kernels, Pallas flash attention on GPU (`model.attention=pallas`) and
 splash attention on TPU (`model.attention=splash`): segment-id masks, each kernel against the
 reference attention (in Pallas' interpreter on this CPU), the choice and its fallbacks, a model's
-function unchanged by it, and the kernel run per device on a mesh."""
+function unchanged by it, and the kernel run per device on a mesh; and, for them and cuDNN's fused
+attention, the forward kernel not run again in the backward pass under model.remat=dots_attention."""
 
 import flax.linen as nn
 import jax
@@ -288,3 +289,33 @@ def test_remat_dots_attention_keeps_the_kernel_residuals(kernel, monkeypatch):
     hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
     loops[remat] = len(re.findall(r" while\(", hlo))
   assert loops["dots_attention"] == loops["none"] < loops["full"], loops
+
+
+def test_remat_dots_attention_keeps_the_cudnn_residuals(monkeypatch):
+  """cuDNN's fused attention cannot name its residuals; model.remat=dots_attention keeps the
+  outputs of its forward kernel (a JAX primitive) all the same, so the backward pass does not run
+  it again, as it does under model.remat=full. Traced only (this CPU has no cuDNN to compile
+  for): the gradient's jaxpr of a scanned bf16 decoder, with a GPU and cuDNN faked for the choice."""
+  import re
+
+  from jax._src.cudnn import fused_attention_stablehlo
+
+  monkeypatch.setattr(attn, "_on_gpu", lambda: True)
+  monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda *a, **k: 91000)
+  length = 64
+  forward_kernels = {}
+  for remat in ("none", "dots_attention", "full"):
+    cfg = tiny_config("--config.model.family=decoder", "--config.model.num_layers=2", "--config.model.d_model=64",
+                      "--config.model.d_ff=64", "--config.model.attention=cudnn", "--config.model.dtype=bfloat16",
+                      f"--config.model.remat={remat}")
+    model = build_model(cfg.model, vocab_size=97, max_length=length)
+    params = jax.eval_shape(lambda m=model: nn.unbox(m.init(jax.random.key(0), **type(m).init_inputs(1, length))["params"]))
+    tokens, seg = jnp.ones((2, length), jnp.int32), jnp.ones((2, length), jnp.int32)
+    pos = jnp.tile(jnp.arange(length), (2, 1))
+    loss = lambda p, m=model: jnp.sum(m.apply({"params": p}, tokens, seg, pos).astype(jnp.float32))
+    with attn.recorded_choices() as chosen:
+      jaxpr = str(jax.make_jaxpr(jax.grad(loss))(params))
+    assert {kernel for kernel, _ in chosen} == {"cudnn"}, chosen
+    forward_kernels[remat] = len(re.findall(r"\bdot_product_attention_fwd_wrapper\[", jaxpr))
+  assert forward_kernels["dots_attention"] == forward_kernels["none"] == 1, forward_kernels
+  assert forward_kernels["full"] == 2, forward_kernels

@@ -171,8 +171,19 @@ def _grouped(x: jax.Array | None, kv_heads: int) -> jax.Array | None:
 
 
 # The names of the attention's residuals (unnormalised probabilities, inverse row sums, output),
-# for rematerialisation policies that keep them (tfx/nn/blocks.py).
+# for rematerialisation policies that keep them (tfx/nn/blocks.py). The Pallas and splash kernels
+# name their output and log-sum-exp `attention_out` too.
 RESIDUAL_NAMES = ("attention_probs", "attention_inv_sum", "attention_out")
+# cuDNN's fused attention (jax.nn.dot_product_attention(implementation='cudnn')) cannot name its
+# residuals: its forward kernel is this JAX primitive, whose outputs (output and softmax
+# statistics) are the residuals of its backward kernel.
+CUDNN_FORWARD_PRIMITIVES = ("dot_product_attention_fwd_wrapper",)
+
+
+def saves_kernel_residuals(prim, *_, **__) -> bool:
+  """A rematerialisation policy (jax.checkpoint's signature) that keeps the outputs of cuDNN's
+  forward attention kernel, so that the backward pass does not run that kernel again."""
+  return prim.name in CUDNN_FORWARD_PRIMITIVES
 
 
 # The attention's matmuls as batched dot_generals over (batch, kv head) with the output in the
