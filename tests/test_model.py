@@ -178,7 +178,9 @@ RELATIVE_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(RELATIVE_CASES))
+# UL2's rows (its slowest case, 19 s) run with the slow tests.
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c == "ul2_mixture" else [])
+                                  for c in RELATIVE_CASES])
 def test_relative_bias_from_columns_is_the_position_bias(case, shared_tokenizer, tmp_path):
   """model.relative_distance='columns' (one [1, h, t, s] bias per batch, as HF's T5) computes the
   same loss and gradients as the bias from the position ids ([b, h, t, s]) on the rows tfx's
@@ -257,7 +259,10 @@ FUSED_LOSS_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(FUSED_LOSS_CASES))
+# The z-loss case (14 s; t5_v1_0_scaled_tied keeps the encoder-decoder in make test) runs with the
+# slow tests.
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c == "t5_untied_zloss" else [])
+                                  for c in FUSED_LOSS_CASES])
 def test_fused_head_loss_equals_the_loss_of_the_logits(case, shared_tokenizer, tmp_path):
   """model.loss_chunk > 0 (the output projection fused with the token loss, chunks that do not divide
   the row) gives the objective the loss, metrics and gradients of the materialised logits
