@@ -24,13 +24,14 @@ def _qkv(rng, b, t, h, kh, d, dtype=jnp.float32):
 
 
 def test_segment_mask_is_the_family_mask():
-  """SegmentMask.dense() is decoder_mask / segment_mask; a family gets it as ids only for pallas;
-  every other kernel attends with its dense array (bitwise the same output)."""
+  """SegmentMask.dense() is decoder_mask / segment_mask; a family gets it as ids only for pallas and
+  splash; every other kernel attends with its dense array (bitwise the same output)."""
   rng = np.random.default_rng(0)
   seg = jnp.asarray(random_packed(rng, 3, 12)[0])
   np.testing.assert_array_equal(ops.SegmentMask(seg, causal=True).dense(), ops.decoder_mask(seg))
   np.testing.assert_array_equal(ops.SegmentMask(seg).dense(), ops.segment_mask(seg))
-  assert isinstance(ops.self_attention_mask(seg, causal=True, implementation="pallas"), ops.SegmentMask)
+  for kernel in ("pallas", "splash"):
+    assert isinstance(ops.self_attention_mask(seg, causal=True, implementation=kernel), ops.SegmentMask)
   dense = ops.self_attention_mask(seg, causal=True, implementation="auto")
   np.testing.assert_array_equal(dense, ops.decoder_mask(seg))
   q, k, v = _qkv(rng, 3, 12, 4, 2, 8)
