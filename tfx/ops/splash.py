@@ -10,9 +10,10 @@ goes to XLA's attention (`tfx.ops.dot_product_attention` decides and logs why).
 
 Grouped-query heads run as splash's multi-query kernel once per key/value head, without repeating
 K and V (except on a mesh that cuts the heads more ways than there are key/value heads: each
-device then gets a copy per query head). The kernel has no score scale: q is multiplied by it first, in q's dtype (exact for
-head_dim 64, whose scale is a power of two). Its forward residuals (output and log-sum-exp) are
-named `attention_out`, so `model.remat=dots_attention` keeps them, as it keeps XLA attention's.
+device then gets a copy per query head). The kernel has no score scale: q is multiplied by it
+first, in q's dtype (exact for head_dim 64, whose scale is a power of two). Its forward residuals
+(output and log-sum-exp) are named `attention_out`, so `model.remat=dots_attention` keeps them,
+as it keeps XLA attention's.
 
 Off a TPU the same kernel runs in Pallas' interpreter (slow, exact): that is how the tests check
 it against the reference attention on CPU. It has not yet run on a TPU here.
