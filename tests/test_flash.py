@@ -25,19 +25,25 @@ def _qkv(rng, b, t, h, kh, d, dtype=jnp.float32):
 
 def test_segment_mask_is_the_family_mask():
   """SegmentMask.dense() is decoder_mask / segment_mask; a family gets it as ids only for pallas and
-  splash; every other kernel attends with its dense array (bitwise the same output)."""
+  splash; for every other kernel its dense array is built once beforehand (bitwise the same output
+  as the plain array)."""
   rng = np.random.default_rng(0)
   seg = jnp.asarray(random_packed(rng, 3, 12)[0])
   np.testing.assert_array_equal(ops.SegmentMask(seg, causal=True).dense(), ops.decoder_mask(seg))
   np.testing.assert_array_equal(ops.SegmentMask(seg).dense(), ops.segment_mask(seg))
   for kernel in ("pallas", "splash"):
-    assert isinstance(ops.self_attention_mask(seg, causal=True, implementation=kernel), ops.SegmentMask)
-  dense = ops.self_attention_mask(seg, causal=True, implementation="auto")
-  np.testing.assert_array_equal(dense, ops.decoder_mask(seg))
+    assert ops.self_attention_mask(seg, causal=True, implementation=kernel).array is None
+  for causal, dense in ((True, ops.decoder_mask(seg)), (False, ops.segment_mask(seg))):
+    built = ops.self_attention_mask(seg, causal=causal, implementation="auto")
+    assert built.causal is causal
+    np.testing.assert_array_equal(built.array, dense)
+    np.testing.assert_array_equal(built.dense(), dense)
   q, k, v = _qkv(rng, 3, 12, 4, 2, 8)
   for impl in ("xla", "reference"):
     attend = jax.jit(lambda m, impl=impl: ops.dot_product_attention(q, k, v, mask=m, implementation=impl))
-    np.testing.assert_array_equal(attend(ops.SegmentMask(seg, causal=True)), attend(dense))
+    expected = attend(ops.decoder_mask(seg))
+    np.testing.assert_array_equal(attend(ops.SegmentMask(seg, causal=True)), expected)
+    np.testing.assert_array_equal(attend(ops.SegmentMask(seg, causal=True).prebuilt()), expected)
 
 
 CASES = {
@@ -292,31 +298,49 @@ def test_remat_dots_attention_keeps_the_kernel_residuals(kernel, monkeypatch):
   assert loops["dots_attention"] == loops["none"] < loops["full"], loops
 
 
-def test_remat_dots_attention_keeps_the_cudnn_residuals(monkeypatch):
-  """cuDNN's fused attention cannot name its residuals; model.remat=dots_attention keeps the
-  outputs of its forward kernel (a JAX primitive) all the same, so the backward pass does not run
-  it again, as it does under model.remat=full. Traced only (this CPU has no cuDNN to compile
-  for): the gradient's jaxpr of a scanned bf16 decoder, with a GPU and cuDNN faked for the choice."""
-  import re
-
+def _cudnn_gradient_jaxpr(monkeypatch, *flags: str, length: int = 64) -> str:
+  """The jaxpr of a tiny bf16 model's parameter gradient with model.attention=cudnn, a GPU and
+  cuDNN faked for the choice (this CPU has no cuDNN to compile for: traced only). flags: the
+  model's config overrides."""
   from jax._src.cudnn import fused_attention_stablehlo
 
   monkeypatch.setattr(attn, "_on_gpu", lambda: True)
   monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda *a, **k: 91000)
-  length = 64
+  cfg = tiny_config("--config.model.num_layers=2", "--config.model.d_model=64", "--config.model.d_ff=64",
+                    "--config.model.attention=cudnn", "--config.model.dtype=bfloat16", *flags)
+  model = build_model(cfg.model, vocab_size=97, max_length=length)
+  params = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), **type(model).init_inputs(1, length))["params"]))
+  inputs = type(model).init_inputs(2, length)
+  loss = lambda p: jnp.sum(model.apply({"params": p}, **inputs).astype(jnp.float32))
+  with attn.recorded_choices() as chosen:
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(params))
+  assert {kernel for kernel, _ in chosen} == {"cudnn"}, chosen
+  return jaxpr
+
+
+def test_remat_dots_attention_keeps_the_cudnn_residuals(monkeypatch):
+  """cuDNN's fused attention cannot name its residuals; model.remat=dots_attention keeps the
+  outputs of its forward kernel (a JAX primitive) all the same, so the backward pass does not run
+  it again, as it does under model.remat=full (a scanned decoder's gradient, traced)."""
+  import re
+
   forward_kernels = {}
   for remat in ("none", "dots_attention", "full"):
-    cfg = tiny_config("--config.model.family=decoder", "--config.model.num_layers=2", "--config.model.d_model=64",
-                      "--config.model.d_ff=64", "--config.model.attention=cudnn", "--config.model.dtype=bfloat16",
-                      f"--config.model.remat={remat}")
-    model = build_model(cfg.model, vocab_size=97, max_length=length)
-    params = jax.eval_shape(lambda m=model: nn.unbox(m.init(jax.random.key(0), **type(m).init_inputs(1, length))["params"]))
-    tokens, seg = jnp.ones((2, length), jnp.int32), jnp.ones((2, length), jnp.int32)
-    pos = jnp.tile(jnp.arange(length), (2, 1))
-    loss = lambda p, m=model: jnp.sum(m.apply({"params": p}, tokens, seg, pos).astype(jnp.float32))
-    with attn.recorded_choices() as chosen:
-      jaxpr = str(jax.make_jaxpr(jax.grad(loss))(params))
-    assert {kernel for kernel, _ in chosen} == {"cudnn"}, chosen
+    jaxpr = _cudnn_gradient_jaxpr(monkeypatch, "--config.model.family=decoder", f"--config.model.remat={remat}")
     forward_kernels[remat] = len(re.findall(r"\bdot_product_attention_fwd_wrapper\[", jaxpr))
   assert forward_kernels["dots_attention"] == forward_kernels["none"] == 1, forward_kernels
   assert forward_kernels["full"] == 2, forward_kernels
+
+
+@pytest.mark.parametrize(("family", "causal", "full"), [("decoder", 1, 0), ("encoder", 0, 1), ("encoder_decoder", 1, 2)])
+def test_cudnn_skips_the_blocks_above_a_causal_diagonal(monkeypatch, family, causal, full):
+  """A causal self-attention (GPT's, T5's decoder's) reaches cuDNN with its exact packed mask and
+  the is_causal hint (mask type CAUSAL: the key blocks above the diagonal are not computed, forward
+  and backward); bidirectional and cross attention with no hint (NO_MASK; their mask is the bias).
+  Per scanned stack, in the traced gradient."""
+  import re
+
+  jaxpr = _cudnn_gradient_jaxpr(monkeypatch, f"--config.model.family={family}", "--config.model.remat=none")
+  for kind in ("fwd", "bwd"):
+    types = re.findall(rf"dot_product_attention_{kind}_wrapper\[[^\]]*?mask_type=MaskType\.(\w+)", jaxpr, re.S)
+    assert sorted(types) == ["CAUSAL"] * causal + ["NO_MASK"] * full, (kind, types)

@@ -57,7 +57,7 @@ class EncoderDecoder(Family):
       mask = None  # built from the KV cache
       k_positions = jax.numpy.broadcast_to(jax.numpy.arange(cfg.max_length), (x.shape[0], cfg.max_length))
     else:
-      mask = ops.decoder_mask(decoder_segment_ids)  # [b, 1, t, t]
+      mask = ops.SegmentMask(decoder_segment_ids, causal=True).prebuilt()  # [b, 1, t, t]; cuDNN reads causal
       k_positions = decoder_positions
     bias = self.relative_bias(decoder_positions, k_positions, bidirectional=False, name="decoder_relative_bias",
                               decode=decode)

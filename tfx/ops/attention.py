@@ -9,7 +9,8 @@ A mask is boolean, `True` = the query may attend to the key, shaped [b, 1|h, t, 
 packing, padding, causality and prefix-LM are all expressed as such a mask. The one exception
 is `SegmentMask`: a packed row's self-attention given by its segment ids, which the Pallas flash
 kernel (`model.attention=pallas`, GPU) and splash attention (`model.attention=splash`, TPU) read
-without building the [b, 1, t, t] array. A query row with no allowed key would silently softmax
+without building the [b, 1, t, t] array (cuDNN gets the array and, for a causal one, its
+`is_causal` hint). A query row with no allowed key would silently softmax
 to the mean of V (a leak); `assert_rows_attend` and the `guard` of `dot_product_attention` make
 that an error or exact zeros.
 """
@@ -80,7 +81,7 @@ def decoder_mask(segment_ids: jax.Array) -> jax.Array:
   return causal_mask(t) & segment_mask(segment_ids)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["segment_ids"], meta_fields=["causal"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["segment_ids", "array"], meta_fields=["causal"])
 @dataclasses.dataclass(frozen=True)
 class SegmentMask:
   """A packed row's self-attention mask given by its segment ids [b, t] instead of [b, 1, t, t].
@@ -88,24 +89,33 @@ class SegmentMask:
   Query i may attend key j when both are in the same segment, neither is padding (segment 0)
   and, when `causal`, j <= i: `dense()` is `decoder_mask` (causal) or `segment_mask`. A kernel
   that takes segment ids (`model.attention=pallas` or `splash`) never builds the array; every
-  other path attends with `dense()`. A pytree (the ids are its leaf, `causal` is static), so it passes
-  through scan and remat as the dense mask does.
+  other path attends with `dense()`, which is `array` when the array was built beforehand (once
+  per step, for all layers: `self_attention_mask`). cuDNN also reads `causal`, to skip the key
+  blocks above the diagonal. A pytree (the ids and the array are its leaves, `causal` is static),
+  so it passes through scan and remat as the dense mask does.
   """
 
   segment_ids: jax.Array  # [b, t] int
   causal: bool = False
+  array: jax.Array | None = None  # [b, 1, t, t] bool, dense() built beforehand
 
   def dense(self) -> jax.Array:
     """[b, 1, t, t] bool."""
+    if self.array is not None:
+      return self.array
     return decoder_mask(self.segment_ids) if self.causal else segment_mask(self.segment_ids)
 
+  def prebuilt(self) -> "SegmentMask":
+    """The same mask with its array built now, once for all the layers that read it."""
+    return dataclasses.replace(self, array=self.dense())
 
-def self_attention_mask(segment_ids: jax.Array, *, causal: bool, implementation: str) -> "jax.Array | SegmentMask":
-  """The mask that every self-attention layer of a family shares: a `SegmentMask` for
-  `model.attention=pallas` or `splash` (their kernels read the ids), the [b, 1, t, t] array
-  otherwise (built once per step and read by every layer)."""
+
+def self_attention_mask(segment_ids: jax.Array, *, causal: bool, implementation: str) -> SegmentMask:
+  """The mask that every self-attention layer of a family shares: the ids alone for
+  `model.attention=pallas` or `splash` (their kernels read them), with the [b, 1, t, t] array
+  built once per step for every other kernel (each layer reads it)."""
   mask = SegmentMask(segment_ids, causal)
-  return mask if implementation in SEGMENT_KERNELS else mask.dense()
+  return mask if implementation in SEGMENT_KERNELS else mask.prebuilt()
 
 
 def dense_mask(mask: "jax.Array | SegmentMask | None") -> jax.Array | None:
@@ -378,7 +388,7 @@ def dot_product_attention(
     q: [b, t, h, d]; k, v: [b, s, k, d].
     mask: bool [b|1, h|1, t, s], True = may attend, or a `SegmentMask` (a packed row's
       self-attention: the 'pallas' and 'splash' kernels read its ids, every other path its
-      `dense()` array).
+      `dense()` array; 'cudnn' also skips the blocks above the diagonal of a causal one).
     bias: float [b|1, h|1, t, s] added to the scores (relative positions, ...).
     scale: score scale, default 1/sqrt(d).
     implementation: 'auto' | 'xla' | 'cudnn' | 'pallas' | 'splash' | 'reference' (see
@@ -400,6 +410,7 @@ def dot_product_attention(
       scale = q.shape[-1] ** -0.5 if scale is None else scale
       return kernel(q, k, v, mask.segment_ids, causal=mask.causal, scale=scale)
     impl, why = "xla", f"{name} refused: {refused}"
+  causal = isinstance(mask, SegmentMask) and mask.causal
   mask = dense_mask(mask)
   if impl == "reference":
     out = reference_attention(q, k, v, mask=mask, bias=bias, scale=scale)
@@ -412,7 +423,9 @@ def dot_product_attention(
     out = None
     if impl == "cudnn":
       try:
-        out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale, implementation="cudnn")
+        # The mask stays exact; `is_causal` only lets cuDNN skip the key blocks above the diagonal.
+        out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale, is_causal=causal and t == s,
+                                           implementation="cudnn")
       except Exception as e:  # noqa: BLE001  (cuDNN refuses a shape / layout / version at trace time)
         impl, why = "xla", f"cuDNN refused: {str(e).splitlines()[0][:120]}"
     if out is None:
