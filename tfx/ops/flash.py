@@ -134,15 +134,11 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
 
   def kernel(q, k, v, ids):  # one device's rows and heads: [b', t, h', d], ids [b', t]
     if named:
-      out = _named_mha(q, k, v, ids, float(scale), causal, sizes, interpret)  # [b', t, h', d]
-    else:
-      out = pallas_attention.mha(q, k, v, ids, sm_scale=float(scale), causal=causal, block_sizes=sizes,
-                                 interpret=interpret)  # [b', t, h', d]
-    # The kernel lets padding queries attend padding keys (both segment 0): zero them, as the mask
-    # allows them nothing (their zero cotangent also keeps them out of dK and dV).
-    return jnp.where((ids > 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
+      return _named_mha(q, k, v, ids, float(scale), causal, sizes, interpret)  # [b', t, h', d]
+    return pallas_attention.mha(q, k, v, ids, sm_scale=float(scale), causal=causal, block_sizes=sizes,
+                                interpret=interpret)  # [b', t, h', d]
 
-  return per_device(kernel, q, k, v, segment_ids.astype(jnp.int32))
+  return per_device(kernel, q, k, v, segment_ids)
 
 
 def _activation_spec():
@@ -173,18 +169,28 @@ def shards() -> tuple[int, int]:
 def per_device(kernel, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array) -> jax.Array:
   """`kernel(q, k, v, ids)` on each device's shard of the rows and heads (`jax.shard_map` over the
   activations' logical sharding: batch over the data axes, heads over `tensor`) when the current
-  mesh has more than one device, else on the whole arrays.
+  mesh has more than one device, else on the whole arrays; padding queries (segment 0) give zeros.
+
+  The segment-id kernels let padding queries attend padding keys (both segment 0): their outputs
+  are zeroed, as the mask allows them nothing (their zero cotangent also keeps them out of dK and
+  dV).
 
   A Pallas call is opaque to XLA's partitioner: left alone under a sharded batch it gathers every
   operand onto every device and runs the whole batch on each (28 all-gathers in one attention
   call on a 2x2x2 mesh). Attention needs no communication across rows or heads, so each device
   runs the kernel on its own.
   """
+
+  def zeroed(q, k, v, ids):  # [b', t, h', d], ids [b', t]
+    out = kernel(q, k, v, ids)  # [b', t, h', d]
+    return jnp.where((ids > 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+  ids = ids.astype(jnp.int32)
   found = _activation_spec()
   if found is None:
-    return kernel(q, k, v, ids)
+    return zeroed(q, k, v, ids)
   from jax.sharding import PartitionSpec  # noqa: PLC0415
 
   _, spec = found  # [b, t, h, d]
   rows = PartitionSpec(*spec[:2])  # [b, t]
-  return jax.shard_map(kernel, in_specs=(spec, spec, spec, rows), out_specs=spec, check_vma=False)(q, k, v, ids)
+  return jax.shard_map(zeroed, in_specs=(spec, spec, spec, rows), out_specs=spec, check_vma=False)(q, k, v, ids)

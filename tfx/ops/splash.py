@@ -83,9 +83,6 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     kt, vt = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k, v))  # [b', k', t, d]
     per_head = jax.vmap(splash, in_axes=(0, 0, 0, None))  # over key/value heads
     out = jax.vmap(per_head)(qg, kt, vt, ids)  # [b', k', g, t, d]
-    out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, d)  # [b', t, h', d]
-    # The kernel lets padding queries attend padding keys (both segment 0): zero them, as the mask
-    # allows them nothing (their zero cotangent also keeps them out of dK and dV).
-    return jnp.where((ids > 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, d)  # [b', t, h', d]
 
-  return flash.per_device(kernel, q, k, v, segment_ids.astype(jnp.int32))
+  return flash.per_device(kernel, q, k, v, segment_ids)
