@@ -30,7 +30,7 @@ class Decoder(Family):
     embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=cfg.compute_dtype, name="token_embed")
     x = self.embed_inputs(embed, tokens, positions, train=train)  # [b, t, e]
     if mask is None and not decode:
-      mask = ops.self_attention_mask(segment_ids, causal=True, implementation=cfg.attention)  # [b, 1, t, t]
+      mask = ops.self_attention_mask(segment_ids, causal=True, implementation=cfg.attention)  # ids (+ [b, 1, t, t])
     x = Stack(cfg, cfg.num_layers, deterministic=not train, decode=decode, name="decoder")(x, mask, positions, segment_ids)
     if cfg.norm == "pre":
       x = make_norm(cfg, "final_norm")(x)
