@@ -286,16 +286,21 @@ def test_remat_dots_attention_keeps_the_kernel_residuals(kernel, monkeypatch):
   monkeypatch.setattr(attn, on_device, lambda: True)
   loops = {}
   for remat in ("none", "dots_attention", "full"):
-    cfg = tiny_config("--config.model.family=decoder", "--config.model.num_layers=2", "--config.model.d_model=32",
-                      "--config.model.d_ff=64", f"--config.model.attention={kernel}", f"--config.model.remat={remat}")
-    model = build_model(cfg.model, vocab_size=97, max_length=length)
-    params = jax.eval_shape(lambda m=model: nn.unbox(m.init(jax.random.key(0), **type(m).init_inputs(1, length))["params"]))
-    tokens, seg = jnp.ones((2, length), jnp.int32), jnp.ones((2, length), jnp.int32)
-    pos = jnp.tile(jnp.arange(length), (2, 1))
-    loss = lambda p, m=model: jnp.sum(m.apply({"params": p}, tokens, seg, pos).astype(jnp.float32))
+    loss, params = _tiny_loss(length, "--config.model.family=decoder", "--config.model.d_model=32",
+                              f"--config.model.attention={kernel}", f"--config.model.remat={remat}")
     hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
     loops[remat] = len(re.findall(r" while\(", hlo))
   assert loops["dots_attention"] == loops["none"] < loops["full"], loops
+
+
+def _tiny_loss(length: int, *flags: str):
+  """(loss(params), abstract params) of a 2-layer model of the tiny config with these overrides
+  (d_ff 64) on two rows of `length` dummy tokens (one document each)."""
+  cfg = tiny_config("--config.model.num_layers=2", "--config.model.d_ff=64", *flags)
+  model = build_model(cfg.model, vocab_size=97, max_length=length)
+  params = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), **type(model).init_inputs(1, length))["params"]))
+  inputs = type(model).init_inputs(2, length)
+  return (lambda p: jnp.sum(model.apply({"params": p}, **inputs).astype(jnp.float32))), params
 
 
 def _cudnn_gradient_jaxpr(monkeypatch, *flags: str, length: int = 64) -> str:
@@ -306,12 +311,8 @@ def _cudnn_gradient_jaxpr(monkeypatch, *flags: str, length: int = 64) -> str:
 
   monkeypatch.setattr(attn, "_on_gpu", lambda: True)
   monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda *a, **k: 91000)
-  cfg = tiny_config("--config.model.num_layers=2", "--config.model.d_model=64", "--config.model.d_ff=64",
-                    "--config.model.attention=cudnn", "--config.model.dtype=bfloat16", *flags)
-  model = build_model(cfg.model, vocab_size=97, max_length=length)
-  params = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), **type(model).init_inputs(1, length))["params"]))
-  inputs = type(model).init_inputs(2, length)
-  loss = lambda p: jnp.sum(model.apply({"params": p}, **inputs).astype(jnp.float32))
+  loss, params = _tiny_loss(length, "--config.model.d_model=64", "--config.model.attention=cudnn",
+                            "--config.model.dtype=bfloat16", *flags)
   with attn.recorded_choices() as chosen:
     jaxpr = str(jax.make_jaxpr(jax.grad(loss))(params))
   assert {kernel for kernel, _ in chosen} == {"cudnn"}, chosen
