@@ -101,6 +101,14 @@ def test_validate_messages(overrides, devices, message):
     validate(tiny_config(*overrides), num_devices=devices)
 
 
+def test_every_host_needs_batch_shards_of_its_own():
+  # 2 hosts x 2 devices with mesh.tensor=4: both hosts would hold the one batch shard and feed it different rows.
+  with pytest.raises(ConfigError, match="mesh.data \\* mesh.fsdp = 1 is not a multiple of the 2 hosts"):
+    validate(tiny_config("--config.mesh.data=1", "--config.mesh.tensor=4", "--config.model.num_heads=4",
+                         "--config.model.d_ff=128"), num_devices=4, process_count=2)
+  validate(tiny_config("--config.mesh.data=2", "--config.mesh.tensor=2"), num_devices=4, process_count=2)
+
+
 def test_objective_that_cannot_drive_the_family():
   from tfx.models.decoder import Decoder
 

@@ -459,6 +459,7 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int, process_cou
           f"Use a batch size that is a multiple of {batch_shards * t.grad_accum}, or change the mesh.")
     if t.batch_size % process_count:
       problems.append(f"train.batch_size={t.batch_size} does not split across {process_count} hosts")
+    problems.extend(_host_problems(batch_shards, process_count))
     if m.num_heads > 0 and m.num_heads % tensor_ax:
       problems.append(
           f"mesh.tensor={tensor_ax} does not divide model.num_heads={m.num_heads}; "
@@ -547,6 +548,17 @@ def validate_finetune(config: ml_collections.ConfigDict, *, num_devices: int, pr
                       f"{data_ax * fsdp_ax * process_count}")
   if problems:
     raise ConfigError("invalid finetune config:\n  - " + "\n  - ".join(problems))
+
+
+def _host_problems(batch_shards: int, process_count: int) -> list[str]:
+  """Each host reads its own rows of every batch, so each must hold whole batch shards of its own:
+  with fewer shards than hosts (say mesh.tensor spanning hosts), hosts sharing a shard would feed it
+  different rows."""
+  if batch_shards % process_count == 0:
+    return []
+  return [f"mesh.data * mesh.fsdp = {batch_shards} is not a multiple of the {process_count} hosts: each host "
+          f"reads its own rows of every batch, so each needs batch shards of its own. Keep mesh.tensor within "
+          f"one host and give mesh.data or mesh.fsdp a multiple of {process_count}"]
 
 
 def _divisors(n: int) -> list[int]:
