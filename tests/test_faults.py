@@ -11,6 +11,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from etils import epath
 
 from tests.conftest import ROOT, tiny_config
 from tfx import train
@@ -202,6 +203,41 @@ def test_lock_refuses_a_second_writer_and_takes_over_a_dead_one(tmp_path):
   with pytest.raises(LockError, match="host elsewhere, pid 1"):
     WorkdirLock(str(workdir), timeout=60).acquire()
   WorkdirLock(str(workdir), timeout=2).acquire().release()
+
+
+def test_lock_heartbeat_survives_any_write_error_and_stops_the_run_past_the_timeout(tmp_path):
+  """A heartbeat whose write fails with anything (gcsfs raises its own HttpError, not an OSError,
+  once its retries are spent) must not kill the heartbeat thread; once no write has succeeded for
+  longer than the timeout, check() stops the run: another run may have taken the lease over."""
+  import time
+
+  from tfx.lock import LocalLease, LockError, WorkdirLock
+
+  class HttpError(Exception):  # like gcsfs.retry.HttpError: a plain Exception
+    pass
+
+  class FlakyLease(LocalLease):
+    failing = False
+
+    def write(self, data, if_version):
+      if self.failing:
+        raise HttpError("503 Service Unavailable")
+      return super().write(data, if_version)
+
+  lease = FlakyLease(epath.Path(tmp_path) / "tfx.lock")
+  lock = WorkdirLock(str(tmp_path), timeout=0.4, lease=lease).acquire()
+  lease.failing = True
+  time.sleep(0.6)  # beats every 0.1 s, all failing
+  assert lock._thread.is_alive() and lock.lost is None
+  with pytest.raises(LockError, match=r"could not be renewed for .* s, longer than train.lock_timeout=0 s "
+                                      r"\(last error: HttpError\('503"):
+    lock.check()
+  lease.failing = False
+  lock.check()  # it tries once more itself: the lease is still this run's, the run goes on
+  time.sleep(0.2)
+  assert lock._thread.is_alive() and lock.failure is None
+  lock.release()
+  assert not (tmp_path / "tfx.lock").exists()
 
 
 def lock_races(workdir: str, contenders: int = 6) -> str:

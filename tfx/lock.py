@@ -13,7 +13,9 @@ two launches that race for a free or a stale lease exactly one wins:
   gs://       GCS generation preconditions through gcsfs: created with ifGenerationMatch=0, renewed
               or taken over with ifGenerationMatch=<the generation read>, deleted the same way.
 A run whose heartbeat could not be renewed because another run took the lease over (its own
-heartbeat stalled past the timeout) is told by `lost`, and stops before its next checkpoint.
+heartbeat stalled past the timeout) is told by `lost`, and stops before its next checkpoint. So
+does a run that could not write its lease at all (a full disk, a storage outage) for longer than
+the timeout: by then another run may have taken it over.
 """
 
 import contextlib
@@ -161,6 +163,8 @@ class WorkdirLock:
     self.lease = lease
     self.version = None  # the lease version this run wrote last
     self.lost = None  # the record of a run that took the lease over from this one
+    self.renewed = 0.0  # time.time() of this run's last successful write of the lease
+    self.failure = None  # the error of the last failed heartbeat, None after a success
     self._stop = threading.Event()
     self._thread = None
     self.took_over = None  # the holder record of a stale lease this run took over
@@ -179,6 +183,7 @@ class WorkdirLock:
         self.version = self.lease.write(self._record(), version)
       except Conflict:
         continue  # another launch changed the lease between our read and write: look again
+      self.renewed = time.time()
       self.took_over = holder
       break
     else:
@@ -210,11 +215,25 @@ class WorkdirLock:
       holder, _ = self.lease.read()
       self.lost = holder or {}
       self._stop.set()
-    except OSError:
-      pass  # a full disk or a network blip: the next beat tries again
+    except Exception as e:  # noqa: BLE001
+      # A full disk, a network blip, gcsfs's HttpError once its own retries are spent: the next
+      # beat tries again (the thread must not die), and check() stops the run if none succeeds
+      # within the timeout.
+      self.failure = e
+    else:
+      self.renewed, self.failure = time.time(), None
 
   def check(self) -> None:
-    """Raises LockError if another run took the lease over (this run must not write any more)."""
+    """Raises LockError if another run took the lease over, or if this run could not renew it for
+    longer than the timeout (another run may have taken it): this run must not write any more."""
+    if self.enabled and self.lost is None and time.time() - self.renewed > self.timeout:
+      self.beat()  # one more try before giving up
+      age = time.time() - self.renewed
+      if self.lost is None and age > self.timeout:
+        raise LockError(f"the lock of {self.where} could not be renewed for {age:.0f} s, longer than "
+                        f"train.lock_timeout={self.timeout:.0f} s (last error: {self.failure!r}): another run may "
+                        f"have taken the workdir over, so this run stops without saving. Check that the workdir "
+                        f"is writable, then launch again: it resumes from the last checkpoint")
     if self.lost is not None:
       raise LockError(f"the lock of {self.where} was taken over by another run ({self._who(self.lost, 0)}) while "
                       f"this run's heartbeat was stalled past train.lock_timeout={self.timeout:.0f} s; this run "
