@@ -152,26 +152,62 @@ def test_interrupted_prepare_resumes_to_the_same_store(tmp_path):
   assert store_files(out) == store_files(reference)
 
 
-def test_disk_full_keeps_finished_shards(tmp_path, corpus_source, prepared, monkeypatch):
-  out = tmp_path / "s"
+def _disk_full_prepare(source: str, out, monkeypatch, **overrides) -> str:
+  """Prepares `source` into `out` on a disk that fills up in the middle of a later shard; returns
+  the error's message (the shards finished before are kept)."""
   real = store.write_atomic
   calls = {"n": 0}
 
   def failing(path, data):
     calls["n"] += 1
-    if calls["n"] == 12:  # in the middle of a later shard
+    if calls["n"] == 12:
       raise OSError(28, "No space left on device")
     return real(path, data)
 
   monkeypatch.setattr(store, "write_atomic", failing)
   with pytest.raises(store.StoreError, match="No space left") as info:
-    prepare(data_config(corpus_source), str(out), workers=1, progress=False)
-  assert "run the same command again" in str(info.value)
+    prepare(data_config(source, **overrides), str(out), workers=1, progress=False)
   monkeypatch.setattr(store, "write_atomic", real)
-  finished = list(out.glob("shard-*.json"))
-  assert finished and not (out / "manifest.json").exists()
+  assert list(out.glob("shard-*.json")) and not (out / "manifest.json").exists()
+  return str(info.value)
+
+
+def test_disk_full_keeps_finished_shards(tmp_path, corpus_source, prepared, monkeypatch):
+  out = tmp_path / "s"
+  assert "run the same command again" in _disk_full_prepare(corpus_source, out, monkeypatch)
   prepare(data_config(corpus_source), str(out), workers=1, progress=False)
-  assert store_files(out) == store_files(prepared[0])
+  assert store_files(out) == store_files(prepared[0])  # prepare.json, the unfinished prepare's record, is gone
+
+
+def test_finishing_a_store_with_other_settings_is_refused(tmp_path, corpus_source, monkeypatch):
+  """Its finished shards were split and tokenized as the first command said: a rerun that asks
+  for another eval_fraction or tokenizer would mix two stores in one."""
+  out = tmp_path / "s"
+  _disk_full_prepare(corpus_source, out, monkeypatch)
+  with pytest.raises(store.StoreError, match=r"another source \(eval_fraction: 0.1 -> 0.5\)"):
+    prepare(data_config(corpus_source, eval_fraction=0.5), str(out), workers=1, progress=False)
+  with pytest.raises(store.StoreError, match=r"tokenizer: \{'trained': \{'sample_bytes': 200000, 'seed': 0, "
+                                             r"'vocab_size': 600\}\} -> 'other.model'"):
+    prepare(data_config(corpus_source, tokenizer="other.model"), str(out), workers=1, progress=False)
+  (out / "prepare.json").unlink()  # shards of a prepare that did not say what it was asked for
+  with pytest.raises(store.StoreError, match="holds part of a token store but no prepare.json"):
+    prepare(data_config(corpus_source), str(out), workers=1, progress=False)
+  # the same tokenizer path, but the file changed since the first command: its shards used the old one
+  given = tmp_path / "given.model"
+  given.write_bytes((out / "tokenizer.model").read_bytes())
+  out = tmp_path / "given"
+  _disk_full_prepare(corpus_source, out, monkeypatch, tokenizer=str(given))
+  Tokenizer.train(load_documents(corpus_source).documents, VOCAB + 50, str(given), max_bytes=100_000)
+  with pytest.raises(store.StoreError, match="was made with another tokenizer than"):
+    prepare(data_config(corpus_source, tokenizer=str(given)), str(out), workers=1, progress=False)
+
+
+def test_empty_corpus_is_named_before_the_tokenizer_is_trained(tmp_path):
+  os.makedirs(tmp_path / "c")
+  (tmp_path / "c" / "a.txt").write_text("")
+  (tmp_path / "c" / "b.txt").write_bytes(b"\xff\xfe\x00bad")
+  with pytest.raises(store.StoreError, match=r"produced no documents \(1 empty, 1 undecodable\)"):
+    prepare(data_config(f"text:{tmp_path}/c/*.txt"), str(tmp_path / "s"), progress=False)
 
 
 def test_tiny_corpus_still_holds_out_one_document(tmp_path):
@@ -242,20 +278,8 @@ def test_newer_format_missing_store_and_wrong_tokenizer(copy_of, tmp_path, prepa
     store.open_store(str(out))
   with pytest.raises(store.StoreError, match="does not exist"):
     store.open_store(str(tmp_path / "nowhere"))
-  other = Tokenizer.train(load_documents(corpus_source).documents, VOCAB + 50, str(tmp_path / "other.model"),
-                          max_bytes=100_000)
-  with pytest.raises(store.StoreError, match="another tokenizer"):
-    _prepare_over(prepared[0], corpus_source, other.path, tmp_path)
   with pytest.raises(store.StoreError, match="another source"):
     prepare(data_config(corpus_source, eval_fraction=0.2), prepared[0], progress=False)
-
-
-def _prepare_over(existing, source, tokenizer_path, tmp_path):
-  """Finishing a store with another tokenizer than the one it was started with is refused."""
-  out = tmp_path / "partial"
-  out.mkdir()
-  (out / "tokenizer.model").write_bytes((open(os.path.join(existing, "tokenizer.model"), "rb").read()))
-  prepare(data_config(source), str(out), tokenizer_path=tokenizer_path, progress=False)
 
 
 def test_bad_jsonl_line_is_refused_with_file_and_line(tmp_path):

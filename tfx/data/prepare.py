@@ -8,7 +8,8 @@ layout. Preparing is resumable shard by shard: a shard is done when its ``.json`
 files have the recorded sizes and checksums; anything else is rewritten. Shards are consecutive
 documents of the source closed at ``data.shard_mb`` of UTF-8 text, and a document's split depends
 only on its index in the source, so an interrupted-and-rerun prepare writes the same bytes as an
-uninterrupted one, whatever the number of workers.
+uninterrupted one, whatever the number of workers. The rerun must ask for the same store: what the
+first command asked for is recorded in ``prepare.json`` before anything else is written.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from tfx.data.packing import document_hashes, heldout_by_hash
 from tfx.data.tokenizer import AnyTokenizer, Tokenizer, load_tokenizer, sample_lines, saved_tokenizer, tokenizer_from_bytes
 
 PREPARED = "prepared:"
+PREPARING = "prepare.json"  # what an unfinished prepare was asked for; removed once the manifest is written
 DEFAULT_SAMPLE_BYTES = 2_000_000
 _ENCODE_CHUNK = 256
 
@@ -194,8 +196,11 @@ def resolve_tokenizer(data_cfg, directory: epath.Path, spec: Spec, *, seed: int 
     if spec.source.startswith("hf:"):  # one pass only: the first documents of the stream
       total = 0
     else:  # a counting pass, so the sample is spread over the whole corpus
-      total = sum(len(t) for _, t in _limited(sources.iter_documents(spec.source, text_field=spec.text_field),
-                                              spec.max_documents))
+      skipped: collections.Counter = collections.Counter()
+      total = sum(len(t) for _, t in _limited(
+          sources.iter_documents(spec.source, text_field=spec.text_field, skipped=skipped), spec.max_documents))
+      if not total:  # before SentencePiece fails on an empty sample with a message of its own
+        raise _no_documents(spec, skipped)
     if log:
       log(f"training the tokenizer (vocab {data_cfg.vocab_size}) on a {max_bytes / 1e6:.1f} MB sample")
     docs = (t for _, t in _limited(sources.iter_documents(spec.source, text_field=spec.text_field, streaming=True),
@@ -249,22 +254,49 @@ def prepare(data_cfg, out: str | epath.Path, *, seed: int = 0, workers: int = 0,
       _check_same_spec(manifest, spec, directory)
       return manifest
     sources.iter_documents(spec.source, text_field=spec.text_field, streaming=True)  # a bad source fails fast
+    _resume_same_spec(directory, spec, _requested(data_cfg, spec, tokenizer_path, seed))
     for stale in directory.glob(".*.tmp-*"):  # left by a prepare that was killed mid-write
       stale.unlink()
     tokenizer = resolve_tokenizer(data_cfg, directory, spec, seed=seed, tokenizer_path=tokenizer_path, log=log)
-    return _write_store(directory, spec, tokenizer, workers or os.cpu_count() or 1, log)
+    manifest = _write_store(directory, spec, tokenizer, workers or os.cpu_count() or 1, log)
+    (directory / PREPARING).unlink(missing_ok=True)
+    return manifest
   except OSError as e:
     raise store.StoreError(
         f"writing the token store {directory} failed ({type(e).__name__}: {e}); the shards finished so far "
         f"are kept: fix the cause (disk or bucket full? permissions?) and run the same command again") from e
 
 
-def _check_same_spec(manifest: dict, spec: Spec, directory: epath.Path) -> None:
+def _requested(data_cfg, spec: Spec, tokenizer_path: str, seed: int) -> dict:
+  """What decides the bytes of a store being prepared: its spec and where its tokenizer comes from."""
+  trained = {"vocab_size": int(data_cfg.vocab_size), "sample_bytes": tokenizer_sample_bytes(data_cfg), "seed": seed}
+  return {"sources": [spec.as_source()], "eval_fraction": spec.eval_fraction, "shard_mb": spec.shard_mb,
+          "tokenizer": tokenizer_path or data_cfg.tokenizer or {"trained": trained}}
+
+
+def _resume_same_spec(directory: epath.Path, spec: Spec, requested: dict) -> None:
+  """Records what this prepare is asked for before it writes anything; a rerun that finishes an
+  interrupted one must ask for the same, or its kept shards (split by the old eval_fraction,
+  tokenized by the old tokenizer) would mix with new ones in one store."""
+  path = directory / PREPARING
+  if path.exists():
+    _check_same_spec(json.loads(path.read_text()), spec, directory, ("shard_mb", "tokenizer"), requested)
+  elif any(directory.glob("shard-*.json")) or saved_tokenizer(directory) is not None:
+    raise store.StoreError(f"{directory} holds part of a token store but no {PREPARING} saying what it was prepared "
+                           f"from; use another --out, or delete {directory} to prepare it again")
+  else:
+    store.write_json_atomic(path, requested)
+
+
+def _check_same_spec(manifest: dict, spec: Spec, directory: epath.Path, keys: tuple[str, ...] = (),
+                     requested: dict | None = None) -> None:
+  """`manifest` (or an unfinished prepare's record) against `spec`, and its `keys` against `requested`."""
   recorded = manifest.get("sources", [{}])[0]
   mine = spec.as_source()
   changed = [f"{k}: {recorded.get(k)!r} -> {v!r}" for k, v in mine.items() if recorded.get(k) != v]
   if manifest.get("eval_fraction") != spec.eval_fraction:
     changed.append(f"eval_fraction: {manifest.get('eval_fraction')} -> {spec.eval_fraction}")
+  changed += [f"{k}: {manifest.get(k)!r} -> {requested[k]!r}" for k in keys if manifest.get(k) != requested[k]]
   if changed:
     raise store.StoreError(f"token store {directory} was prepared from another source ({'; '.join(changed)}); "
                            f"use another --out, or delete {directory} to prepare it again")
@@ -308,9 +340,7 @@ def _write_store(directory: epath.Path, spec: Spec, tokenizer: AnyTokenizer, wor
   shards = [records[i] for i in sorted(records)]
   total_documents = sum(s["documents"] for s in shards)
   if not total_documents:
-    raise store.StoreError(
-        f"data source {spec.source!r} produced no documents ({skipped['empty']} empty, "
-        f"{skipped['undecodable']} undecodable); point data.source at non-empty UTF-8 text")
+    raise _no_documents(spec, skipped)
   if not sum(s["eval"]["documents"] for s in shards):
     shards = _hold_out_one(directory, spec, shards, dtype, shard_bytes)
   if not sum(s["train"]["documents"] for s in shards):
@@ -322,6 +352,12 @@ def _write_store(directory: epath.Path, spec: Spec, tokenizer: AnyTokenizer, wor
     log(f"{directory}: {total_documents:,} documents, {manifest['splits']['train']['tokens']:,} train / "
         f"{manifest['splits']['eval']['tokens']:,} eval tokens in {len(shards)} shard(s)")
   return manifest
+
+
+def _no_documents(spec: Spec, skipped: collections.Counter) -> store.StoreError:
+  return store.StoreError(
+      f"data source {spec.source!r} produced no documents ({skipped['empty']} empty, "
+      f"{skipped['undecodable']} undecodable); point data.source at non-empty UTF-8 text")
 
 
 def _collect(pending, records, meter, how) -> None:

@@ -3,6 +3,8 @@
 A store is a directory (an ``etils.epath`` path, so ``gs://bucket/path`` works too):
 
     DIR/manifest.json                   written last: its presence means the store is complete
+    DIR/prepare.json                    while unfinished only: what tfx.prepare was asked for (a rerun
+                                        that finishes the store must ask for the same)
     DIR/tokenizer.model                 the tokenizer the tokens were made with: a SentencePiece model, or
                                         tokenizer.hf.json for a Hugging Face one (manifest["tokenizer"]["file"])
     DIR/shard-00000.json                a shard's record, written after its data (the commit mark)
