@@ -186,3 +186,40 @@ def test_sharded_safetensors_import_like_one_file(tmp_path):
   got = _flatten(convert.from_hf(src)[1])
   for k, v in _flatten(params).items():
     np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+@pytest.mark.parametrize("arch", ["GPT2LMHeadModel", "BertForMaskedLM", "RobertaForMaskedLM"])
+def test_export_refuses_logits_scaled_before_a_tied_head(tmp_path, arch):
+  """tfx can scale the hidden state by d_model**-0.5 before any tied head; of HF's classes only T5 does."""
+  _, config, params = _checkpoint(tmp_path, arch)
+  config.model.scale_tied_logits = True
+  with pytest.raises(convert.ConvertError, match="scale_tied_logits must be off"):
+    convert.to_hf(config, params, str(tmp_path / "scaled"), architecture=arch)
+  assert not os.path.exists(tmp_path / "scaled")  # refused before anything is written
+
+
+def test_roberta_export_needs_a_pad_id_that_is_no_real_token(tmp_path):
+  """RoBERTa's positions count the tokens that are not its pad id."""
+  _, config, params = _checkpoint(tmp_path, "RobertaForMaskedLM")
+  with pytest.raises(convert.ConvertError, match="the tokenizer has no pad token"):
+    convert.to_hf(config, params, str(tmp_path / "a"), special_ids={"eos": 1})
+  with pytest.raises(convert.ConvertError, match="the pad id 1 is also the tokenizer's eos or bos id"):
+    convert.to_hf(config, params, str(tmp_path / "b"), special_ids={"pad": 1, "eos": 1})
+  convert.to_hf(config, params, str(tmp_path / "c"), special_ids={"pad": 0, "eos": 1})
+  hf = json.load(open(tmp_path / "c" / "config.json"))
+  assert hf["pad_token_id"] == 0 and hf["max_position_embeddings"] == config.data.seq_len + 1
+
+
+def test_t5_untied_head_of_a_legacy_config_is_scaled(tmp_path):
+  """A config.json without `scale_decoder_outputs` (transformers 4 wrote none) scales the decoder
+  output iff `tie_word_embeddings`; with a separate lm_head.weight the scale is folded into tfx's
+  untied kernel, as the tying itself is read off the tensors."""
+  src, config, params = _checkpoint(tmp_path, "T5ForConditionalGeneration", tied=False)
+  hf = json.load(open(os.path.join(src, "config.json")))
+  assert hf.pop("scale_decoder_outputs") is False
+  hf["tie_word_embeddings"] = True
+  json.dump(hf, open(os.path.join(src, "config.json"), "w"))
+  imported = convert.import_hf(src)
+  assert not imported.config.model.tie_embeddings
+  np.testing.assert_allclose(imported.params["lm_head"]["kernel"],
+                             params["lm_head"]["kernel"] * np.float32(config.model.d_model**-0.5), rtol=1e-6)

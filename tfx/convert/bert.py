@@ -108,7 +108,13 @@ def config_to_hf(arch: str, config, ids: dict) -> dict:
   _require(m.mlp in _TFX_ACT, arch, f"mlp {m.mlp!r} has no HF equivalent (gelu, gelu_exact, relu do)")
   if arch == "RobertaForMaskedLM":
     _require(m.mlp == "gelu_exact", arch, "RoBERTa's MLM head always uses the exact GELU: mlp must be gelu_exact")
+    # RoBERTa's positions count the tokens that are not the pad id: a tokenizer without a pad token
+    # leaves no id that is safe to name (the default 1 is a real token in most vocabularies).
+    _require("pad" in ids or not ids, arch, "the tokenizer has no pad token, and RoBERTa computes positions "
+             "from it (input_ids != pad_token_id); give the tokenizer one, or export as BertForMaskedLM")
     pad = ids.get("pad", 1)
+    _require(pad not in (ids.get("eos"), ids.get("bos")), arch,
+             f"the pad id {pad} is also the tokenizer's eos or bos id, and RoBERTa computes positions from it")
     offset = pad + 1
     out = {"architectures": [arch], "model_type": "roberta", "pad_token_id": pad,
            "bos_token_id": ids.get("bos", 0), "eos_token_id": ids.get("eos", 2)}

@@ -33,6 +33,9 @@ def _default_architecture(config) -> str:
 
 def _hf_config(arch: str, config, special_ids: dict | None) -> dict:
   m, ids = config.model, dict(special_ids or {})
+  if arch != "T5ForConditionalGeneration":  # only HF's T5 scales the decoder output before a tied head
+    _require(not (m.tie_embeddings and m.scale_tied_logits), arch, "HF's head does not scale the hidden state "
+             "by d_model**-0.5 before the tied embedding: model.scale_tied_logits must be off")
   if arch == XLNET:
     return _xlnet_hf_config(config, ids)
   if arch != "T5ForConditionalGeneration":
@@ -53,7 +56,10 @@ def to_hf(config, params: dict, path: str, *, architecture: str | None = None,
     path: output directory (created).
     architecture: one of ARCHITECTURES; default from the family (encoder: BERT with token
       types, RoBERTa without).
-    special_ids: optional {'pad', 'eos', 'bos'} ids written to the HF config.
+    special_ids: optional {'pad', 'eos', 'bos'} ids written to the HF config. RoBERTa computes
+      positions from its pad id (tokens != pad), so pass the tokenizer's ids for a model trained
+      by tfx: without any, RoBERTa's own pad id 1 is written (right for an imported RoBERTa,
+      wrong where 1 is a real token, as tfx's EOS is).
   Returns:
     The architecture written. `from_pretrained(path)` of that class loads it.
   """

@@ -32,7 +32,7 @@ def _layout(arch: str, m, hf_cfg: dict) -> _Layout:
     return bert._bert_layout(m, "roberta", "lm_head", bert._roberta_offset(hf_cfg))
   if arch == "GPT2LMHeadModel":
     return gpt2._gpt2_layout(m)
-  scale = m.d_model**-0.5 if hf_cfg.get("scale_decoder_outputs", False) and not m.tie_embeddings else 1.0
+  scale = m.d_model**-0.5 if t5.scales_decoder_outputs(hf_cfg) and not m.tie_embeddings else 1.0
   return t5._t5_layout(m, scale)
 
 

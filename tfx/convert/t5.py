@@ -85,18 +85,22 @@ def config_from_hf(c, arch: str, hf: dict) -> None:
   m.mlp, m.use_bias, m.scale_attention, m.type_vocab_size = mlp, False, False, 0
   m.dropout = float(hf.get("dropout_rate", 0.1))
   m.attention_dropout = m.dropout
-  # Whether the decoder output is scaled by d_model**-0.5: transformers >= 5 stores it as
-  # `scale_decoder_outputs`; older versions derive it from `tie_word_embeddings`.
-  scale = hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True))
-  m.tie_embeddings = bool(scale)  # refined by _resolve_t5_tying once the tensors are read
-  m.scale_tied_logits = bool(scale)
+  scale = scales_decoder_outputs(hf)
+  m.tie_embeddings = scale  # refined by _resolve_t5_tying once the tensors are read
+  m.scale_tied_logits = scale
   c.data.seq_len = 512
   c.objective.name = "span_corruption"
 
 
+def scales_decoder_outputs(hf_cfg: dict) -> bool:
+  """Whether HF's T5 scales the decoder output by d_model**-0.5 before the head: transformers >= 5
+  stores it as `scale_decoder_outputs`; older versions derive it from `tie_word_embeddings`."""
+  return bool(hf_cfg.get("scale_decoder_outputs", hf_cfg.get("tie_word_embeddings", True)))
+
+
 def _resolve_t5_tying(c, hf_cfg: dict, tensors: dict[str, np.ndarray]) -> None:
   """T5: untied iff the checkpoint holds an `lm_head.weight` different from `shared.weight`."""
-  scale = bool(hf_cfg.get("scale_decoder_outputs", hf_cfg.get("tie_word_embeddings", True)))
+  scale = scales_decoder_outputs(hf_cfg)
   head = tensors.get("lm_head.weight")
   untied = head is not None and not np.array_equal(head, tensors.get("shared.weight"))
   c.model.tie_embeddings = not untied
