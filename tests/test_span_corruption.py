@@ -36,6 +36,15 @@ def test_lengths_table(inputs_length, density, mu, raw, targets):
   assert compute_lengths(inputs_length, density, mu) == (raw, targets)
 
 
+@pytest.mark.parametrize("mu", [3.0, 8.0, 20.0])
+def test_lengths_are_the_ones_the_noise_mask_makes(mu):
+  """Short rows too: the raw length makes at most the promised encoder row and exactly the promised targets."""
+  for inputs_length in range(4, 300):
+    raw, targets = compute_lengths(inputs_length, 0.15, mu)
+    n, s = noise_counts(raw, 0.15, mu)
+    assert raw - n + s + 1 <= inputs_length and n + s + 1 == targets, (inputs_length, raw, targets)
+
+
 def test_objective_lengths_and_sentinel_check():
   objective = SpanCorruption(DESCENDING)
   assert objective.raw_length(512) == 568 and objective.targets_length(512) == 114

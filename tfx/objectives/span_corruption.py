@@ -38,28 +38,23 @@ from tfx.registry import OBJECTIVES
 # ----------------------------------------------------------------------------- lengths (host)
 
 
-def _lengths_of_raw(raw_length: int, noise_density: float, mean_span_length: float) -> tuple[int, int]:
-  """T5's f(t): (inputs, targets) lengths, EOS included, of a raw row of `raw_length` tokens."""
-  n = int(round(raw_length * noise_density))
-  s = int(round(n / mean_span_length))
-  return raw_length - n + s + 1, n + s + 1
-
-
 def compute_lengths(inputs_length: int, noise_density: float = 0.15, mean_span_length: float = 3.0
                     ) -> tuple[int, int]:
   """(raw_length, targets_length) for `inputs_length` encoder tokens (T5 `random_spans_helper`).
 
   raw_length is the largest t (counting up from inputs_length - 1) whose inputs fit in
   `inputs_length`; with noise_density 0.5 the targets are trimmed to at most the inputs.
-  512 -> (568, 114).
+  512 -> (568, 114). The lengths are those the noise mask makes (`output_lengths`): T5's own
+  formula allows 0 noise spans, which the mask never makes, and so promised rows one token
+  shorter than made for short rows (8 tokens at mean span 3, up to 61 at mean span 20).
   """
   t = inputs_length - 1
-  while _lengths_of_raw(t + 1, noise_density, mean_span_length)[0] <= inputs_length:
+  while output_lengths(t + 1, noise_density, mean_span_length)[0] <= inputs_length:
     t += 1
-  targets_length = _lengths_of_raw(t, noise_density, mean_span_length)[1]
+  targets_length = output_lengths(t, noise_density, mean_span_length)[1]
   if noise_density == 0.5 and targets_length > inputs_length:
     t -= 1
-    targets_length -= 1
+    targets_length = output_lengths(t, noise_density, mean_span_length)[1]
   return t, targets_length
 
 
