@@ -95,6 +95,8 @@ XLNET = ["--config.model.family=xlnet", "--config.objective.name=permutation_lm"
      r"mask_rate must be in \[0, 1\]"),
     (["--config.objective.name=permutation_lm", "--config.model.family=encoder", "--config.model.mem_len=8"], 1,
      "has no memory"),
+    (["--config.objective.name=nsp", "--config.model.family=encoder", "--config.model.type_vocab_size=2",
+      "--config.train.batch_size=1"], 1, "a \\(micro-\\)batch of 1 row has no other row"),
 ])
 def test_validate_messages(overrides, devices, message):
   with pytest.raises(ConfigError, match=message):

@@ -121,7 +121,8 @@ def objective_kwargs(objective, objective_state=None, frozen=None) -> dict:
 
 
 def _loss_and_grads(exp: Experiment, params, batch, rng, objective_state=None, frozen=None):
-  """Mean loss and its gradient, accumulated exactly over `train.grad_accum` micro-batches.
+  """Mean loss and its gradient, accumulated over `train.grad_accum` micro-batches weighted by their
+  `num_tokens`: exact for a one-term token mean (see tfx.objectives.base on composite losses).
 
   Returns (metrics, grads, next objective state).
   """

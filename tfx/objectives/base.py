@@ -8,8 +8,11 @@ calls the model, and returns the mean loss over predicted tokens with named metr
     loss, metrics = objective.loss(model, params, batch, rng, train=True)
 
 `batch` holds `tokens`, `segment_ids` (0 = padding) and `positions`, [b, raw_length] int32
-each. `metrics` always has `loss`, `accuracy` and `num_tokens` (number of predicted tokens,
-used to weight gradient accumulation exactly).
+each. `metrics` always has `loss`, `accuracy` and `num_tokens` (number of predicted tokens),
+which weights gradient accumulation's micro-batches: exact for a loss that is one mean over those
+tokens; a loss whose terms are means over different counts (MLM plus NSP / SOP's per-row term,
+ELECTRA's generator and discriminator, distillation's soft and hard terms) is approximated, as
+the micro-batches' count of each term differs from their num_tokens share.
 
 Stateful objectives (XLNet's memory over contiguous streams) set `stateful = True`, return
 their initial state from `init_state` (global-batch shaped, with logical axis names from

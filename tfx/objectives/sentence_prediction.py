@@ -193,6 +193,16 @@ class NextSentencePrediction(SentencePrediction):
 
   task: ClassVar[str] = NSP
 
+  @classmethod
+  def check_config(cls, config) -> list[str]:
+    problems = super().check_config(config)
+    micro = config.train.batch_size // max(config.train.grad_accum, 1)
+    if micro < 2 and config.objective.get("negative_rate", 0.5) > 0:
+      problems.append(f"nsp takes a NotNext B from the next row of the batch, but a (micro-)batch of {micro} row "
+                      f"has no other row: its NotNext B would be the row's own text; use train.batch_size / "
+                      f"train.grad_accum >= 2")
+    return problems
+
 
 @OBJECTIVES.register("sop")
 @dataclasses.dataclass(frozen=True)
