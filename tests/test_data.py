@@ -503,6 +503,8 @@ def test_invalid_configurations_are_clear_errors():
     pipeline.restore({"epoch": 0})
   with pytest.raises(ValueError, match="does not fit"):
     pipeline.restore({"epoch": 0, "row": 10**9})
+  with pytest.raises(ValueError, match="row 6 is not a batch boundary .* another train.batch_size"):
+    pipeline.restore({"epoch": 0, "row": 6})  # written by a run with a global batch of 2 or 6
 
 
 def test_from_config_and_tokenize_cache(tokenizer, small_corpus, tmp_path):

@@ -414,7 +414,12 @@ class DataPipeline:
     except (KeyError, TypeError, ValueError) as e:
       raise ValueError(f"data pipeline state must be {{'epoch': int, 'row': int}}, got "
                        f"{state!r}") from e
-    if epoch < 0 or not 0 <= row <= self.rows_per_epoch or row % self.global_batch:
+    if 0 <= row <= self.rows_per_epoch and row % self.global_batch:
+      raise ValueError(
+          f"data pipeline state {state!r}: row {row} is not a batch boundary of this run's global batch of "
+          f"{self.global_batch} rows; was the checkpoint written with another train.batch_size? Resume with the "
+          f"batch size it was written with")
+    if epoch < 0 or not 0 <= row <= self.rows_per_epoch:
       raise ValueError(
           f"data pipeline state {state!r} does not fit this corpus ({self.rows_per_epoch} "
           f"rows per epoch); was the checkpoint written with a different data.source, "
