@@ -212,7 +212,10 @@ class WorkdirLock:
     try:
       self.version = self.lease.write(self._record(), self.version)
     except Conflict:
-      holder, _ = self.lease.read()
+      try:
+        holder, _ = self.lease.read()  # who took it, for the message
+      except Exception:  # noqa: BLE001  (lost all the same)
+        holder = None
       self.lost = holder or {}
       self._stop.set()
     except Exception as e:  # noqa: BLE001
