@@ -98,6 +98,9 @@ def test_compare_errors(tmp_path):
   (half / "config.json").write_text("{}")
   with pytest.raises(UserError, match="no metrics.jsonl yet"):
     compare.compare([str(half)])
+  (half / "metrics.jsonl").write_text('{"step": 3, "loss": 1.0}\n{"step": 4, "split": "train", "loss": 0.9}\n')
+  with pytest.raises(UserError, match=r"metrics.jsonl line 1 is not a metrics record"):  # no split: not a KeyError
+    compare.compare([str(half)])
   assert not (tmp_path / "x.png").exists()
 
 

@@ -136,7 +136,7 @@ def fake_path(tmp_path):
   return launch
 
 
-def test_gcloud_flow(fake_path):
+def test_gcloud_flow(fake_path, tmp_path):
   common_flags = ["--config", TINY, "--workdir", GS, "--zone", "us-west4-a", "--name", "tfx-flow"]
   result, calls = fake_path("gcloud", "--create", *common_flags)
   assert result.returncode == 0, result.stderr
@@ -155,11 +155,21 @@ def test_gcloud_flow(fake_path):
   result, calls = fake_path("gcloud", "status", *common_flags)
   assert result.returncode == 0 and "READY" in result.stdout, result.stderr
   assert calls[0][4:6] == ["describe", "tfx-flow"] and "tpu-info" in calls[1][-1] and "--worker=all" in calls[1]
+  status = calls[1][-1].removeprefix("--command=")
   result, calls = fake_path("gcloud", "logs", *common_flags)
   assert calls == [["gcloud", "compute", "tpus", "tpu-vm", "ssh", "tfx-flow", "--zone=us-west4-a", "--worker=0",
                     "--command=tail -n 200 ~/tfx-flow.log"]]
   result, calls = fake_path("gcloud", "stop", *common_flags)
-  assert "pkill -TERM -f 'tfx.train --config'" in calls[0][-1] and "--worker=all" in calls[0]
+  assert "pkill -TERM -f '[t]fx[.]train --config'" in calls[0][-1] and "--worker=all" in calls[0]
+  stop = calls[0][-1].removeprefix("--command=")
+  # gcloud's ssh runs the command as `bash -c COMMAND`, whose own command line holds the pattern: it
+  # must not match itself (status would never say that nothing runs, stop would kill its own shell).
+  # Run here with the process name swapped for one nothing else has.
+  unique = lambda command: command.replace("fx[.]train", "zq8w5[.]probe")
+  found = subprocess.run(["bash", "-c", unique(status)], capture_output=True, text=True, cwd=tmp_path)
+  assert "no training process" in found.stdout, found.stdout
+  stopped = subprocess.run(["bash", "-c", unique(stop)], capture_output=True, text=True)
+  assert stopped.returncode == 0, stopped
   result, calls = fake_path("gcloud", "delete", *common_flags)
   assert calls == [["gcloud", "compute", "tpus", "tpu-vm", "delete", "tfx-flow", "--zone=us-west4-a", "--quiet"]]
 
@@ -230,3 +240,34 @@ def test_missing_tools(tmp_path):
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     assert "was not found on PATH; install" in result.stderr and install in result.stderr, result.stderr
+
+
+def test_slurm_processes_get_every_gpu_of_their_node(monkeypatch):
+  """One process per node: JAX's SLURM detection alone would give it local_device_ids=[SLURM_LOCALID],
+  the node's first GPU only; the sbatch script names them all and tfx passes them on."""
+  import jax
+
+  from tfx import parallel
+
+  job = common.load_job(TINY, "/shared/run", ["--config.launch.accelerator=H100:4", "--config.launch.num_nodes=2"])
+  from tfx.launch import slurm
+  assert "export TFX_LOCAL_DEVICE_IDS=0,1,2,3\n" in slurm.sbatch_script(job)
+  seen = {}
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: seen.update(kw))
+  monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+  monkeypatch.setenv("TFX_DISTRIBUTED", "1")
+  monkeypatch.setenv("TFX_HEARTBEAT_TIMEOUT", "0")
+  monkeypatch.setenv("TFX_LOCAL_DEVICE_IDS", "0,1,2,3")
+  parallel.initialize_distributed()
+  assert seen == {"local_device_ids": [0, 1, 2, 3]}
+
+
+def test_gcloud_refuses_a_config_the_commit_lacks():
+  """gcloud's hosts get `git archive HEAD`: an untracked or uncommitted config would be missing on all of them."""
+  import dataclasses
+
+  job = common.load_job(TINY, GS, [])
+  commit = common.source_commit()
+  common.check_config_committed(job, commit)  # configs/tiny.py is committed
+  with pytest.raises(common.LaunchError, match=r"--config configs/mine.py is not in commit .*git add configs/mine.py"):
+    common.check_config_committed(dataclasses.replace(job, config_path="configs/mine.py"), commit)

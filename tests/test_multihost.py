@@ -63,10 +63,10 @@ def one_process(tmp_path_factory, shared_tokenizer):
   plain tfx.train without jax.distributed uses XLA's in-process all-reduce, which adds in another
   order: its losses differ from these in the last bit.)"""
   workdir = tmp_path_factory.mktemp("multihost") / "one"
-  cmd = launch_cmd(workdir, shared_tokenizer)
+  cmd = launch_cmd("one", shared_tokenizer)  # launched from outside the repository, the workdir relative to there
   cmd[cmd.index("--processes") + 1], cmd[cmd.index("--devices-per-process") + 1] = "1", "8"
-  single = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  single = subprocess.run(cmd, cwd=workdir.parent, capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT))
   assert single.returncode == 0, single.stdout[-4000:]
   assert "[p0] tfx: decoder + causal_lm" in single.stdout and "[p1]" not in single.stdout
   return workdir

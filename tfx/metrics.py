@@ -324,8 +324,9 @@ class MetricsWriter:
 
 
 def parse_records(text: str, name: str = "metrics.jsonl") -> list[dict]:
-  """The records of a metrics.jsonl text. A torn last line (a write cut by a kill or a full disk) is
-  dropped with a warning on stderr; a damaged line elsewhere is a UserError naming it."""
+  """The records of a metrics.jsonl text (JSON objects with at least `step` and `split`). A torn last
+  line (a write cut by a kill or a full disk) is dropped with a warning on stderr; a damaged line
+  elsewhere is a UserError naming it."""
   lines = text.splitlines()
   out = []
   for i, line in enumerate(lines):
@@ -333,7 +334,7 @@ def parse_records(text: str, name: str = "metrics.jsonl") -> list[dict]:
       continue
     try:
       record = json.loads(line)
-      if not isinstance(record, dict) or "step" not in record:
+      if not isinstance(record, dict) or "step" not in record or "split" not in record:
         raise ValueError("not a record")
     except ValueError:
       if i == len(lines) - 1:

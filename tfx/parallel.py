@@ -74,6 +74,9 @@ def initialize_distributed() -> None:
           **kwargs,
       )
     else:
+      local = os.environ.get("TFX_LOCAL_DEVICE_IDS", "")  # set by tfx.launch slurm: every GPU of the node
+      if local:
+        kwargs["local_device_ids"] = [int(i) for i in local.split(",")]
       jax.distributed.initialize(**kwargs)
     if timeout > 0 and jax.process_count() > 1:
       watch_peers(timeout)

@@ -171,6 +171,17 @@ def check_config_in_repo(job: Job) -> None:
                       f"repository, so put the config file under configs/ (or anywhere in the repository) and commit it")
 
 
+def check_config_committed(job: Job, commit: str) -> None:
+  """For backends that ship `git archive COMMIT`: the config file must be in that commit."""
+  path = job.config_path
+  if ":" in os.path.basename(path):
+    path = path.rsplit(":", 1)[0]
+  found = subprocess.run(["git", "cat-file", "-e", f"{commit}:{path}"], cwd=ROOT, capture_output=True)
+  if found.returncode:
+    raise LaunchError(f"--config {path} is not in commit {commit[:12]}, which is what the hosts get (git archive): "
+                      f"commit it first (git add {path} && git commit)")
+
+
 def runtime_env(job: Job, where: Slice, *, local: bool = False) -> dict[str, str]:
   """Environment of every training process: heartbeat timeout, compilation cache, libtpu flags.
 

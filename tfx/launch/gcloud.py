@@ -19,8 +19,8 @@ import os
 import shlex
 
 from tfx.launch.common import (
-    ROOT, Job, LaunchError, Plan, Slice, check_config_in_repo, check_fits, check_shared_workdir, dirty_files,
-    runtime_env, slice_of, source_commit)
+    ROOT, Job, LaunchError, Plan, Slice, check_config_committed, check_config_in_repo, check_fits, check_shared_workdir,
+    dirty_files, runtime_env, slice_of, source_commit)
 
 ACTIONS = ("launch", "status", "logs", "stop", "delete")
 
@@ -95,6 +95,7 @@ def plan(job: Job, action: str = "launch", *, create: bool = False, follow: bool
     check_config_in_repo(job)
     check_fits(job, where)
     commit = source_commit()
+    check_config_committed(job, commit)
     out = Plan(f"tfx.launch gcloud: {where.describe()} as {name} ({'spot' if launch.spot else 'on-demand'}"
                f"{', queued' if launch.queued else ''}), commit {commit}, workdir {job.workdir}")
     changed = dirty_files()
@@ -122,12 +123,12 @@ def plan(job: Job, action: str = "launch", *, create: bool = False, follow: bool
     if launch.queued:
       out.run(*_tpu("queued-resources", "describe", name, *zone, "--format=value(state.state)"))
     out.run(*_tpu("tpu-vm", "describe", name, *zone, "--format=value(state,acceleratorType)"))
-    out.run(*_ssh(job, "all", f"echo \"== $(hostname)\"; pgrep -af 'tfx.train' || echo 'tfx.train is not running'; "
+    out.run(*_ssh(job, "all", f"echo \"== $(hostname)\"; pgrep -af '[t]fx[.]train' || echo 'no training process'; "
                               f"tail -n 3 ~/{name}.log; ~/tfx-venv/bin/tpu-info || true"))
   elif action == "logs":
     out.run(*_ssh(job, "0", f"tail -n 200 {'-f ' if follow else ''}~/{name}.log"))
   elif action == "stop":
-    out.run(*_ssh(job, "all", "pkill -TERM -f 'tfx.train --config' || true"))
+    out.run(*_ssh(job, "all", "pkill -TERM -f '[t]fx[.]train --config' || true"))
   elif action == "delete":
     if launch.queued:
       out.run(*_tpu("queued-resources", "delete", name, *zone, "--force", "--quiet"))

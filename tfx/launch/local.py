@@ -12,6 +12,7 @@ seconds (tfx.parallel.watch_peers), and the launcher stops any that did not afte
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -65,6 +66,8 @@ def _describe(code: int) -> str:
 def launch(job: Job, port: int = 0, grace_seconds: float = 30.0) -> int:
   """Starts the processes, forwards their output, waits; returns 0 or the first failure's status."""
   port = port or free_port()
+  if "://" not in job.workdir:  # the processes run in the repository (the config path is relative to it)
+    job = dataclasses.replace(job, workdir=os.path.abspath(job.workdir))
   where = local_slice(job)
   check_fits(job, where)
   env_base = dict(os.environ)
@@ -74,7 +77,7 @@ def launch(job: Job, port: int = 0, grace_seconds: float = 30.0) -> int:
   procs = []
   for i in range(where.hosts):
     env = dict(env_base, **process_env(job, where, i, port))
-    procs.append(subprocess.Popen(job.train_argv(sys.executable), env=env, stdout=subprocess.PIPE,
+    procs.append(subprocess.Popen(job.train_argv(sys.executable), env=env, stdout=subprocess.PIPE, cwd=ROOT,
                                   stderr=subprocess.STDOUT, text=True, bufsize=1))
   print(f"tfx.launch local: coordinator 127.0.0.1:{port}; " +
         ", ".join(f"process {i} pid {p.pid}" for i, p in enumerate(procs)), flush=True)

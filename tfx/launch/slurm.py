@@ -6,7 +6,8 @@
 
 srun starts one process per node; JAX's SLURM detection (TFX_DISTRIBUTED=1 makes tfx call
 jax.distributed.initialize()) finds the coordinator, the process count and the rank from SLURM's
-variables. --requeue lets the scheduler restart a preempted job; it resumes from the workdir, which
+variables, and TFX_LOCAL_DEVICE_IDS gives each process all its node's GPUs (JAX's detection alone
+would give it only the GPU of its task index, one per node). --requeue lets the scheduler restart a preempted job; it resumes from the workdir, which
 must be on a filesystem every node mounts (an absolute path) or gs://.
 """
 
@@ -47,6 +48,8 @@ def sbatch_script(job: Job) -> str:
 {partition}set -euo pipefail
 cd {ROOT}
 export TFX_DISTRIBUTED=1
+# JAX's SLURM detection gives a process the GPU of its task index (SLURM_LOCALID, 0 here): name all of them.
+export TFX_LOCAL_DEVICE_IDS={",".join(str(i) for i in range(int(gpus)))}
 srun --kill-on-bad-exit=1 env {env_prefix(runtime_env(job, where))}{job.train_command(sys.executable)}
 """
 
