@@ -65,6 +65,35 @@ def test_cached_greedy_equals_recomputation(position, scan_layers):
   assert len(np.unique(np.asarray(cached))) > 2  # not a degenerate constant output
 
 
+def test_prefix_lm_prompt_is_bidirectional(learned):
+  """A prefix-LM decoder saw `[BOS] + prefix` bidirectionally in training: its cached generation
+  equals recomputation under `ops.prefix_lm_mask`, and the prompt's first prediction is that of a
+  full forward pass with the prompt as prefix (it differs from the causal one)."""
+  model, params = learned
+  prompt, segments = batch()
+  n = 6
+  cached = G.generate(model, params, prompt, segments, jax.random.key(0), max_new_tokens=n, bidirectional_prompt=True)
+  full = G.greedy_by_recomputation(model, params, prompt, n, segments, bidirectional_prompt=True)
+  np.testing.assert_array_equal(np.asarray(cached), np.asarray(full))
+  positions = G.prompt_positions(segments)
+  prefix = jnp.sum(segments, axis=1, keepdims=True)
+  logits = model.apply({"params": params}, prompt, segments, positions,
+                       mask=G.ops.prefix_lm_mask(segments, positions, prefix))[:, -1]  # [b, v]
+  mask = G.prompt_mask(segments, model.cfg.max_length)
+  first, _ = G.decode_step(model, params, G.init_cache(model, prompt.shape[0]), prompt, positions, segments, mask)
+  np.testing.assert_allclose(np.asarray(first), np.asarray(logits), atol=1e-4)
+  causal, _ = G.decode_step(model, params, G.init_cache(model, prompt.shape[0]), prompt, positions, segments)
+  assert np.max(np.abs(np.asarray(causal) - np.asarray(logits))) > 1e-2
+
+
+def test_generate_reads_the_objective_s_prompt_attention():
+  from tfx.objectives import prefix_lm, ul2
+  from tfx.objectives.causal_lm import CausalLM
+
+  assert prefix_lm.PrefixLM.bidirectional_prompt({}) and not CausalLM.bidirectional_prompt({})
+  assert ul2.UL2.bidirectional_prompt({"layout": "decoder"}) and not ul2.UL2.bidirectional_prompt({})
+
+
 def test_left_padding_does_not_change_a_row(learned):
   model, params = learned
   prompt, segments = batch()
@@ -86,11 +115,11 @@ def test_decode_step_is_traced_once(learned, monkeypatch):
   monkeypatch.setattr(G, "decode_step", counting_step)
   prompt, segments = G.left_pad([np.array([BOS, 7, 8, 9]), np.array([BOS, 20]), np.array([BOS])], pad_id=0)
   out1 = G.generate(model, params, jnp.asarray(prompt), jnp.asarray(segments), jax.random.key(0), max_new_tokens=13)
-  assert len(traces) == 1  # one trace serves the 4 prompt steps and the 12 fed new tokens
+  assert len(traces) == 2  # the prompt's one call, and one trace of the step that feeds the 12 new tokens
   out2 = G.generate(model, params, jnp.asarray(prompt + 1), jnp.asarray(segments), jax.random.key(1),
                     max_new_tokens=13)
   jax.block_until_ready((out1, out2))
-  assert len(traces) == 1
+  assert len(traces) == 2
 
 
 def test_top_k_one_sampling_equals_greedy(learned):

@@ -9,9 +9,10 @@ of the next token at the last fed position.
 
 - Static shapes: the KV cache ("cache" collection of the model, see tfx/nn/attention.py) holds
   `model.cfg.max_length` tokens; the (left-padded) prompt plus the new tokens must fit in it.
-- One compiled step: `decode_step` feeds one token per row and returns the next-token logits.
-  A single `jax.lax.scan` runs it over the prompt and then over the generated tokens, so it
-  is traced (and compiled) once, whatever the prompt length or number of new tokens.
+- The prompt fills the cache in one call of `decode_step` (causally, or bidirectionally for a
+  model trained as a prefix LM: `Objective.bidirectional_prompt`); then one compiled step feeds
+  one token per row and returns the next-token logits, run by a `jax.lax.scan` over the
+  generated tokens, so it is traced (and compiled) once, whatever the number of new tokens.
 - Prompts of different lengths share a batch by left padding: `prompt_segment_ids` is 0 on
   padding and 1 on real tokens. Padding is written to the cache with segment 0, so no real
   token ever attends to it. Positions count from 0 at each row's first real token.
@@ -29,7 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tfx import ops
 from tfx.errors import UserError
+from tfx.registry import OBJECTIVES
 
 Params = Any
 Cache = Any
@@ -112,20 +115,29 @@ def init_cache(model: nn.Module, batch: int) -> Cache:
 
 
 def decode_step(model: nn.Module, params: Params, cache: Cache, token: jax.Array, position: jax.Array,
-                segment: jax.Array) -> tuple[jax.Array, Cache]:
-  """Feeds one token per row through the model with the KV cache.
+                segment: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, Cache]:
+  """Feeds t tokens per row through the model with the KV cache (t = 1 when decoding, the whole
+  prompt when filling the cache).
 
   Args:
     model: a decoder family module.
     params: its parameters.
     cache: the "cache" collection (from `init_cache` or a previous step).
-    token, position, segment: [b, 1] int32; segment 0 marks a padding token.
+    token, position, segment: [b, t] int32; segment 0 marks a padding token.
+    mask: [b, 1, t, max_length] bool over the cache's slots, or None for the cache's causal mask.
   Returns:
-    (logits [b, v] float32 of the next token, the updated cache).
+    (logits [b, v] float32 of the token after the last one, the updated cache).
   """
   logits, variables = model.apply(
-      {"params": params, "cache": cache}, token, segment, position, decode=True, mutable=["cache"])
+      {"params": params, "cache": cache}, token, segment, position, decode=True, mask=mask, mutable=["cache"])
   return logits[:, -1], variables["cache"]  # [b, v]
+
+
+def prompt_mask(segment_ids: jax.Array, max_length: int) -> jax.Array:
+  """[b, p] -> [b, 1, p, max_length] bool: a prompt filling an empty cache attends all of itself
+  (a prefix-LM's bidirectional prefix), never the empty slots after it or left padding."""
+  cached = jnp.pad(segment_ids, ((0, 0), (0, max_length - segment_ids.shape[1])))  # [b, max_length]
+  return ops.segment_mask(segment_ids, cached)
 
 
 def prompt_positions(segment_ids: jax.Array) -> jax.Array:
@@ -158,11 +170,13 @@ def check_fits(model: nn.Module, prompt_length: int, max_new_tokens: int) -> Non
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "temperature", "top_k", "top_p",
-                                             "eos_id", "pad_id"))
+                                             "eos_id", "pad_id", "bidirectional_prompt"))
 def generate(model: nn.Module, params: Params, prompt: jax.Array, prompt_segment_ids: jax.Array, rng: jax.Array,
              *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-             eos_id: int | None = None, pad_id: int | None = None) -> jax.Array:
+             eos_id: int | None = None, pad_id: int | None = None, bidirectional_prompt: bool = False) -> jax.Array:
   """Continues each prompt row by `max_new_tokens` tokens, with a KV cache.
+
+  The prompt fills the cache in one call, then each new token is one step.
 
   Args:
     model: a decoder family module (`model.cfg.max_length` sizes the cache).
@@ -175,6 +189,8 @@ def generate(model: nn.Module, params: Params, prompt: jax.Array, prompt_segment
     temperature, top_k, top_p: see `sample_next`.
     eos_id: a row that emits it is finished; None = never finish early.
     pad_id: the output after EOS (default: eos_id).
+    bidirectional_prompt: the prompt attends all of itself (a model trained with a prefix-LM
+      objective, whose `[BOS] + prefix` is bidirectional); the new tokens attend causally.
   Returns:
     [b, max_new_tokens] int32; after a row's EOS, the remaining entries are pad_id.
   Raises:
@@ -186,36 +202,34 @@ def generate(model: nn.Module, params: Params, prompt: jax.Array, prompt_segment
   prompt = prompt.astype(jnp.int32)
   prompt_segment_ids = prompt_segment_ids.astype(jnp.int32)
   positions = prompt_positions(prompt_segment_ids)  # [b, p]
-  num_steps = p + max_new_tokens - 1  # the last new token is never fed
-  # Inputs of the prompt steps, padded to the full scan length ([steps, b]).
-  pad_steps = ((0, max_new_tokens - 1), (0, 0))
-  prompt_xs = (jnp.pad(prompt.T, pad_steps), jnp.pad(prompt_segment_ids.T, pad_steps),
-               jnp.pad(positions.T, pad_steps), jnp.arange(num_steps))
+  sample = lambda logits, i: sample_next(logits, jax.random.fold_in(rng, i), temperature=temperature, top_k=top_k,
+                                         top_p=top_p)  # the key of step i: new token j is step p - 1 + j
+
+  def finish(new, finished):
+    if eos_id is None:
+      return new, finished
+    new = jnp.where(finished, pad_id, new)
+    return new, finished | (new == eos_id)
+
+  mask = prompt_mask(prompt_segment_ids, model.cfg.max_length) if bidirectional_prompt else None
+  logits, cache = decode_step(model, params, init_cache(model, b), prompt, positions, prompt_segment_ids, mask)
+  first, finished = finish(sample(logits, p - 1), jnp.zeros((b,), bool))  # [b]
+
+  def body(carry, i):
+    cache, token, position, finished = carry
+    logits, cache = decode_step(model, params, cache, token[:, None], position[:, None], jnp.ones((b, 1), jnp.int32))
+    new, finished = finish(sample(logits, i), finished)
+    return (cache, new, position + 1, finished), new
+
   next_position = jnp.max(positions, axis=-1) + 1  # [b]
-
-  def body(carry, xs):
-    cache, last_token, position, finished = carry
-    prompt_token, prompt_segment, prompt_position, i = xs
-    in_prompt = i < p
-    token = jnp.where(in_prompt, prompt_token, last_token)  # [b]
-    segment = jnp.where(in_prompt, prompt_segment, 1)  # [b]
-    pos = jnp.where(in_prompt, prompt_position, position)  # [b]
-    logits, cache = decode_step(model, params, cache, token[:, None], pos[:, None], segment[:, None])
-    new = sample_next(logits, jax.random.fold_in(rng, i), temperature=temperature, top_k=top_k, top_p=top_p)
-    generating = i >= p - 1  # this step's prediction is an output token
-    if eos_id is not None:
-      new = jnp.where(finished, pad_id, new)
-      finished = finished | (generating & (new == eos_id))
-    position = jnp.where(in_prompt, position, position + 1)
-    return (cache, new, position, finished), new
-
-  carry = (init_cache(model, b), jnp.zeros((b,), jnp.int32), next_position, jnp.zeros((b,), bool))
-  _, outputs = jax.lax.scan(body, carry, prompt_xs)  # [steps, b]
-  return outputs[p - 1:].T  # [b, max_new_tokens]
+  carry = (cache, first, next_position, finished)
+  _, rest = jax.lax.scan(body, carry, jnp.arange(p, p + max_new_tokens - 1))  # [max_new_tokens - 1, b]
+  return jnp.concatenate([first[:, None], rest.T], axis=1)  # [b, max_new_tokens]
 
 
 def greedy_by_recomputation(model: nn.Module, params: Params, prompt: jax.Array, n: int,
-                            prompt_segment_ids: jax.Array | None = None) -> jax.Array:
+                            prompt_segment_ids: jax.Array | None = None,
+                            bidirectional_prompt: bool = False) -> jax.Array:
   """Reference greedy decoding without a cache: the full model on the whole sequence each step.
 
   The sequence buffer has the final length p + n - 1, with not-yet-generated slots marked as
@@ -226,6 +240,7 @@ def greedy_by_recomputation(model: nn.Module, params: Params, prompt: jax.Array,
     prompt: [b, p] int32, left-padded.
     n: tokens to generate.
     prompt_segment_ids: [b, p], 0 on left padding (default: all 1).
+    bidirectional_prompt: the prompt's tokens see each other (`ops.prefix_lm_mask`).
   Returns:
     [b, n] int32.
   """
@@ -235,7 +250,13 @@ def greedy_by_recomputation(model: nn.Module, params: Params, prompt: jax.Array,
   total = p + n - 1
   tokens = jnp.zeros((b, total), jnp.int32).at[:, :p].set(prompt)
   segments = jnp.zeros((b, total), jnp.int32).at[:, :p].set(seg)
-  forward = jax.jit(lambda t, s: model.apply({"params": params}, t, s, prompt_positions(s)))
+  prefix = jnp.sum(seg > 0, axis=1, keepdims=True) if bidirectional_prompt else 0  # [b, 1] real prompt tokens
+
+  def forward(t, s):
+    positions = prompt_positions(s)
+    return model.apply({"params": params}, t, s, positions, mask=ops.prefix_lm_mask(s, positions, prefix))
+
+  forward = jax.jit(forward)
   out = []
   for k in range(n):
     logits = forward(tokens, segments)  # [b, total, v]
@@ -387,9 +408,10 @@ def run(args: argparse.Namespace) -> list[str]:
   if args.max_new_tokens is None and len(ids) <= model.cfg.max_length:
     max_new = min(max_new, model.cfg.max_length - len(ids) + 1)  # the run's default, clipped to what fits
   prompt, segments = left_pad([ids] * args.num_samples, tokenizer.pad_id or 0)
+  bidirectional = OBJECTIVES.get(config.objective.name).bidirectional_prompt(config.objective)
   out = generate(model, params, jnp.asarray(prompt), jnp.asarray(segments), jax.random.key(args.seed),
                  max_new_tokens=max_new, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-                 eos_id=tokenizer.eos_id)
+                 eos_id=tokenizer.eos_id, bidirectional_prompt=bidirectional)
   return [tokenizer.decode(cut_at_eos(row, tokenizer.eos_id)) for row in np.asarray(jax.device_get(out))]
 
 

@@ -62,8 +62,9 @@ class Attention(nn.Module):
     k = constrain(k, ("act_batch", "act_length", "act_heads", "act_kv"))
     v = constrain(v, ("act_batch", "act_length", "act_heads", "act_kv"))
 
-    if self.decode:
-      k, v, mask = self._update_cache(k, v, q_segment_ids)
+    if self.decode:  # the cache's own causal mask unless the caller gives one (a bidirectional prompt)
+      k, v, cache_mask = self._update_cache(k, v, q_segment_ids)
+      mask = cache_mask if mask is None else mask
 
     scale = d**-0.5 if cfg.scale_attention else 1.0
     dropout = cfg.attention_dropout if not self.deterministic else 0.0

@@ -156,6 +156,12 @@ class Objective:
     return cls(ids=ids, **resolved)
 
   @classmethod
+  def bidirectional_prompt(cls, objective_cfg) -> bool:
+    """Whether a decoder trained with this objective saw its `[BOS] + prompt` bidirectionally (a
+    prefix LM): tfx.generate then fills the cache with the prompt attending all of itself."""
+    return False
+
+  @classmethod
   def options(cls) -> list[options_lib.Option]:
     """This objective's configuration fields (name, type, default, the comment above it)."""
     return options_lib.options(cls)

@@ -79,6 +79,10 @@ class PrefixLM(Objective):
 
   families = ("decoder",)
 
+  @classmethod
+  def bidirectional_prompt(cls, objective_cfg) -> bool:
+    return True
+
   @property
   def bos_id(self) -> int:
     return self.ids.bos if self.ids.bos is not None else self.ids.eos

@@ -302,6 +302,10 @@ class UL2(Objective):
 
   families = LAYOUTS
 
+  @classmethod
+  def bidirectional_prompt(cls, objective_cfg) -> bool:
+    return objective_cfg.get("layout", "encoder_decoder") == "decoder"
+
   def __post_init__(self):
     denoisers = parse_mixture(self.mixture)
     if self.layout not in LAYOUTS:
