@@ -86,7 +86,8 @@ XLNET_MEMORY = ["--config.model.family=xlnet", "--config.objective.name=permutat
 def test_exact_resume(tmp_path, shared_tokenizer, overrides):
   """Stopping after a checkpoint and resuming gives the same metrics and the same parameters,
   bitwise, as an uninterrupted run (dropout on, and MLM / span masks drawn from the step's key,
-  so the PRNG state matters too)."""
+  so the PRNG state matters too; the stop falls inside a log window, which the checkpoint keeps)."""
+  overrides = [*overrides, "--config.train.log_every=3"]  # the stop at 4 cuts the log window of steps 4-6
   full = train.run(quick(shared_tokenizer, *overrides), str(tmp_path / "full"))
   part = tmp_path / "part"
   first = train.run(quick(shared_tokenizer, *overrides, "--config.train.stop_after=4"), str(part))
@@ -96,7 +97,7 @@ def test_exact_resume(tmp_path, shared_tokenizer, overrides):
   assert without_timing(read_metrics(str(part))) == without_timing(read_metrics(str(tmp_path / "full")))
   a, b = params_of(full), params_of(resumed)
   jax.tree.map(np.testing.assert_array_equal, a, b)
-  if overrides == XLNET_MEMORY:  # the memory is carried, checkpointed and restored too
+  if XLNET_MEMORY[0] in overrides:  # the memory is carried, checkpointed and restored too
     memory = np.asarray(full["state"].objective_state)
     assert memory.shape == (2, 8, 48, 64) and np.abs(memory).sum() > 0
     np.testing.assert_array_equal(memory, np.asarray(resumed["state"].objective_state))

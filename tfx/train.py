@@ -225,9 +225,11 @@ def _train(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress:
   config, workdir, t = exp.config, exp.workdir, exp.config.train
   restored = checkpoint.restore_good(workdir, mngr, checkpoint.abstract_like(abstract, shardings),
                                       step=t.restore_step, note=progress.note)
+  window: list[dict] = []
   if restored is not None:
     state, data_state, latest = restored
     _restore_data_position(exp, data_state, writer, latest, progress)
+    window = log_window_from(data_state)
     writer.truncate_after(latest)
     guard.good_checkpoint = latest
     progress.note(f"resumed from {mngr.directory}/{latest}")
@@ -240,13 +242,13 @@ def _train(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress:
 
   preempt = _Preemption(interrupt=True)
   try:
-    return _loop(exp, mngr, guard, writer, progress, abstract, shardings, state, preempt, lock)
+    return _loop(exp, mngr, guard, writer, progress, abstract, shardings, state, preempt, lock, window)
   finally:
     preempt.close()
 
 
 def _loop(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress: Progress, abstract, shardings, state,
-          preempt: _Preemption, lock: WorkdirLock):
+          preempt: _Preemption, lock: WorkdirLock, window: list[dict]):
   config, workdir, t = exp.config, exp.workdir, exp.config.train
   train_step = make_train_step(exp, shardings)
   eval_step = make_eval_step(exp, shardings)
@@ -262,7 +264,9 @@ def _loop(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress: 
     writer.write(0, "eval", initial)
     progress.eval(0, initial["loss"], initial.get("accuracy", float("nan")))
   pending: list[dict] = []  # the metrics (device arrays) of the steps not yet read
-  host: list[dict] = []  # those read (one transfer per log or save), passed by the guard, not yet logged
+  # Those read (one transfer per log or save), passed by the guard, not yet logged: the log window,
+  # which a checkpoint carries, so that a resumed run logs the same means as an uninterrupted one.
+  host: list[dict] = window
   last_time, last_step = time.time(), step
   eval_record = None
   while step < t.steps:
@@ -279,8 +283,7 @@ def _loop(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress: 
     if log_due or save_due:  # the flags are read with the metrics (and before any save)
       fresh, pending = jax.device_get(pending), []
       if guard.check(fresh, step) == REWIND:
-        state, step = _rewind(exp, mngr, guard, writer, abstract, shardings)
-        host = []
+        state, step, host = _rewind(exp, mngr, guard, writer, abstract, shardings)
         last_time, last_step = time.time(), step
         continue
       host += fresh
@@ -295,15 +298,16 @@ def _loop(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress: 
       values["mfu"] = model_flops / sec_per_step / (peak * jax.device_count()) if peak and sec_per_step else None
       writer.write(step, "train", values)
       progress.train(step, values["loss"], values["tokens_per_sec"], sec_per_step, values["mfu"])
+    paused = time.time()  # evaluation and saving are not training throughput: the clock skips them
     if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
       eval_values = evaluate(exp, eval_step, state.params, eval_batches)
       eval_record = writer.write(step, "eval", eval_values)
       progress.eval(step, eval_values["loss"], eval_values.get("accuracy", float("nan")))
-      last_time = time.time()  # evaluation time is not training throughput
     if save_due:
       lock.check()  # another run took the workdir over while this one stalled: write nothing more
-      _save(exp, mngr, guard, step, state)
+      _save(exp, mngr, guard, step, state, host)
       writer.flush()
+    last_time += time.time() - paused
     if stopping:
       progress.note(f"stopping at step {step} (checkpoint saved); run the same command to resume")
       break
@@ -319,14 +323,24 @@ def _train_values(host: list[dict]) -> dict[str, float]:
   return values
 
 
-def _save(exp: Experiment, mngr, guard: Guard, step: int, state) -> None:
+def log_window_to(host: list[dict]) -> list[dict]:
+  """The log window's per-step metrics as JSON: {name: [value, dtype]}, exact for float32."""
+  return [{k: [np.asarray(v).item(), np.asarray(v).dtype.name] for k, v in m.items()} for m in host]
+
+
+def log_window_from(data_state: dict) -> list[dict]:
+  """The window `log_window_to` wrote (a checkpoint of an older tfx has none: [])."""
+  return [{k: np.asarray(v, dtype)[()] for k, (v, dtype) in m.items()} for m in data_state.get("log_window", [])]
+
+
+def _save(exp: Experiment, mngr, guard: Guard, step: int, state, host: list[dict]) -> None:
   """Checkpoints a state known to be finite (the guard read every step's flags; the parameters are
   checked once more on device here): a bad state is never saved."""
   if not checkpoint.all_finite(state.params):
     raise NonFiniteError(f"the parameters at step {step} are not finite although every step's loss and gradient "
                          f"were; nothing was saved (last good checkpoint: {guard.good_checkpoint}). "
                          f"Lower optim.learning_rate and run the same command to resume")
-  checkpoint.save(mngr, step, state, dict(exp.pipeline.state(), corpus=exp.corpus))
+  checkpoint.save(mngr, step, state, dict(exp.pipeline.state(), corpus=exp.corpus, log_window=log_window_to(host)))
   guard.saved(step)
 
 
@@ -335,13 +349,15 @@ def _rewind(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, abstract
   steps after it are redone on the next batches. Records after that step are dropped."""
   checkpoint.finish(mngr)
   step = guard.good_checkpoint
+  window: list[dict] = []
   if step is None:
     state, step = _fresh_state(exp, shardings), 0
   else:
-    state, _ = checkpoint.restore(mngr, step, checkpoint.abstract_like(abstract, shardings))
+    state, data_state = checkpoint.restore(mngr, step, checkpoint.abstract_like(abstract, shardings))
+    window = log_window_from(data_state)
   writer.truncate_after(step)
   guard.rewound(step)
-  return state, step
+  return state, step, window
 
 
 def list_objectives() -> str:
