@@ -226,7 +226,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.optim.warmup_steps = 100
   # Cosine decay to this fraction of the peak at train.steps.
   c.optim.final_lr_fraction = 0.1
-  # Decoupled weight decay, applied to matrices (ndim >= 2), not to biases and norm scales.
+  # Decoupled weight decay, applied to matrices (kernels, embeddings), not to biases, norm scales
+  # or other vectors (tfx.steps.decay_mask).
   c.optim.weight_decay = 0.01
   # Clip the global gradient norm to this value (0 = off).
   c.optim.grad_clip = 1.0

@@ -263,3 +263,45 @@ def test_eval_memory_is_refused_without_memory(tmp_path):
   with pytest.raises(config_lib.ConfigError, match="train.eval_memory=True needs memory"):
     config_lib.validate(tiny_config(*XLNET_MEMORY, "--config.model.mem_len=0", "--config.train.eval_memory=true"),
                         num_devices=1)
+
+
+@pytest.mark.parametrize("scan", ["true", "false"])
+def test_weight_decay_skips_biases_and_norm_scales(scan):
+  """Decay on matrices only, also when scanned layers stack each layer's vectors into [layers, d]
+  and for [heads, head_dim] biases: one AdamW step on zero gradients moves exactly the kernels and
+  embeddings."""
+  import flax.linen as nn
+  import optax
+
+  from tfx.models import build_model
+  from tfx.steps import make_optimizer
+
+  config = tiny_config(f"--config.model.scan_layers={scan}", "--config.optim.warmup_steps=0",
+                       "--config.optim.weight_decay=0.5")
+  model = build_model(config.model, vocab_size=config.data.vocab_size, max_length=16)
+  params = nn.unbox(model.init(jax.random.key(0), **type(model).init_inputs(1, 16))["params"])
+  params = jax.tree.map(lambda p: p + 1.0, params)  # biases are 0 at init: decay would not show
+  tx, _ = make_optimizer(config)
+  updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  moved = {jax.tree_util.keystr(k): bool(jnp.any(u != 0)) for k, u in jax.tree_util.tree_leaves_with_path(updates)}
+  assert moved and all(v == (k.endswith("['kernel']") or k.endswith("['embedding']")) for k, v in moved.items()), moved
+
+
+def test_learning_rate_metric_is_the_rate_the_update_applies():
+  """A step skipped as non-finite restores the optimizer state, whose count then lags the train step:
+  the logged rate is the schedule at the optimizer's count (the rate applied), not at the step."""
+  import optax
+
+  from tfx.steps import applied_learning_rate, make_optimizer
+
+  config = tiny_config("--config.optim.warmup_steps=10", "--config.train.steps=20")
+  tx, schedule = make_optimizer(config)
+  params = {"w": jnp.ones((2, 2))}
+  state = tx.init(params)
+  rates = []
+  for step in range(4):
+    rates.append(float(applied_learning_rate(schedule, state)))
+    _, new = tx.update({"w": jnp.ones((2, 2))}, state, params)
+    state = state if step == 1 else new  # step 1 skipped: its optimizer state is dropped
+  assert rates == [float(schedule(0)), float(schedule(1)), float(schedule(1)), float(schedule(2))]
+  assert float(schedule(1)) > 0 and len(set(rates)) == 3

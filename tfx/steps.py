@@ -1,7 +1,7 @@
 """The pieces of a training step, shared by tfx.train, tfx.finetune, tfx.bench and the checker.
 
   Experiment        everything built from a config before anything is compiled
-  make_optimizer    AdamW + warmup/cosine schedule + clipping (decay on matrices only)
+  make_optimizer    AdamW + warmup/cosine schedule + clipping (decay on matrices only: `decay_mask`)
   state_shardings / init_state   the train state, created directly in its sharded layout
   make_train_step / make_eval_step / evaluate   the jitted steps and the token-weighted eval
 """
@@ -54,10 +54,31 @@ def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=o.learning_rate, warmup_steps=warmup,
       decay_steps=max(steps, warmup + 1), end_value=o.learning_rate * o.final_lr_fraction)
-  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
   parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
   parts.append(optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask))
   return optax.chain(*parts), schedule
+
+
+def applied_learning_rate(schedule: optax.Schedule, opt_state) -> jax.Array:
+  """The rate the update applies: the schedule at the optimizer's own count, which a non-finite step
+  skipped under train.on_nonfinite=skip does not advance (the train step counter does)."""
+  counts = [count for path, count in optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+            if getattr(path[-1], "tuple_name", "") == "ScaleByScheduleState"]
+  return schedule(counts[0])
+
+
+def decay_mask(params) -> Any:
+  """True for the parameters weight decay applies to: matrices (kernels, embeddings), not biases
+  (`bias`, `output_bias`, XLNet's `r_w_bias` ...), norm scales or vectors. A scanned stack's
+  leading layers axis does not make a vector a matrix (its path holds the `layers` key)."""
+
+  def decays(path, p) -> bool:
+    keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]  # (a partitioning box's .value is not)
+    name = keys[-1] if keys else ""
+    ndim = p.ndim - (1 if "layers" in keys[:-1] else 0)
+    return ndim >= 2 and not name.endswith("bias") and name != "scale"
+
+  return jax.tree_util.tree_map_with_path(decays, params)
 
 
 
@@ -186,7 +207,7 @@ def make_train_step(exp: Experiment, shardings):
       new = new.replace(params=jax.tree.map(keep, new.params, state.params),
                         opt_state=jax.tree.map(keep, new.opt_state, state.opt_state),
                         objective_state=jax.tree.map(keep, new.objective_state, state.objective_state))
-    metrics = dict(metrics, grad_norm=grad_norm, learning_rate=exp.schedule(state.step),
+    metrics = dict(metrics, grad_norm=grad_norm, learning_rate=applied_learning_rate(exp.schedule, state.opt_state),
                    nonfinite=1.0 - finite.astype(jnp.float32))
     return new, metrics
 
