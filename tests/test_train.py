@@ -271,7 +271,6 @@ def test_weight_decay_skips_biases_and_norm_scales(scan):
   and for [heads, head_dim] biases: one AdamW step on zero gradients moves exactly the kernels and
   embeddings."""
   import flax.linen as nn
-  import optax
 
   from tfx.models import build_model
   from tfx.steps import make_optimizer
@@ -290,8 +289,6 @@ def test_weight_decay_skips_biases_and_norm_scales(scan):
 def test_learning_rate_metric_is_the_rate_the_update_applies():
   """A step skipped as non-finite restores the optimizer state, whose count then lags the train step:
   the logged rate is the schedule at the optimizer's count (the rate applied), not at the step."""
-  import optax
-
   from tfx.steps import applied_learning_rate, make_optimizer
 
   config = tiny_config("--config.optim.warmup_steps=10", "--config.train.steps=20")
