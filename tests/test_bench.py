@@ -59,6 +59,17 @@ def test_mfu_is_not_applicable_on_cpu(result):
   assert "MFU" in table and "n/a" in table and "TFLOP/s" in table
 
 
+@pytest.mark.parametrize("kind, tflops", [
+    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835), ("NVIDIA H200", 989),
+    ("NVIDIA A100-SXM4-80GB", 312), ("TPU v4", 275), ("TPU v5 lite", 197), ("TPU v5", 459), ("TPU v6 lite", 918),
+    ("NVIDIA B200", None)])
+def test_device_peaks_are_dense_bf16_by_device_kind(kind, tflops):
+  """The longest name that matches wins (an H100 PCIe is not an SXM part); an unknown device has no peak."""
+  device = type("Device", (), {"platform": "gpu", "device_kind": kind})()
+  peak = flops.device_peak_flops(device)
+  assert (peak and peak / 1e12) == tflops
+
+
 def test_flops_per_token_matches_a_hand_count():
   cfg = config("--config.model.num_layers=2", "--config.model.d_model=4", "--config.model.num_heads=2",
                "--config.model.d_ff=8").model

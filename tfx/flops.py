@@ -3,7 +3,8 @@
 MFU = achieved model FLOP/s / (peak FLOP/s of one device x number of devices), with model
 FLOPs counted as in the PaLM paper (appendix B): 6 FLOPs per token per parameter that takes
 part in a matrix multiply (the blocks and the output projection; embedding lookups are free),
-plus the attention score and value products (6 L T e per token at sequence length T).
+plus the attention score and value products (12 L T e per token for training at sequence
+length T: 4 L T e forward, twice that backward; causal attention is not halved, as in PaLM).
 Rematerialisation is not counted (that would be hardware FLOPs, not model FLOPs).
 
 What a row computes depends on the objective (`Objective.train_flops_per_row`): one stack at
@@ -16,7 +17,9 @@ import jax
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets; no sparsity).
 PEAK_FLOPS = {
-    "H100": 989e12,  # H100 SXM
+    "H100": 989e12,  # H100 SXM ("NVIDIA H100 80GB HBM3")
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
     "H200": 989e12,
     "A100": 312e12,
     "TPU v4": 275e12,
