@@ -58,6 +58,7 @@ def test_positional_term_matches_rel_shift(mlen, clamp, sign):
   w_r = jax.random.normal(kw, (E, H, d))
   sign = None if sign is None else jnp.asarray(sign)
   distances, index = X.distance_table(t, mlen)
+  assert distances.shape == (s + t - 1,) and int(index.min()) == 0 and int(index.max()) == s + t - 2  # all read
   k_r = jnp.einsum("bpe,ehd->bphd", X.relative_encoding(distances, E, clamp_len=clamp, sign=sign), w_r)
   ours = X.positional_scores(q_r, k_r, index)
   # Transformer-XL: encodings of pos = s, s-1, ..., -t+1, then the shift.

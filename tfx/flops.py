@@ -103,7 +103,7 @@ def two_stream_forward_flops(cfg, length: int, predictions: int, memory: int = 0
   stream's keys and values; the output projection only at the slots. The last layer's content
   stream is not counted beyond its keys and values: nothing reads its output.
 
-  xlnet family: Transformer-XL positions add the W_r projection of the 2s - 1 distances and
+  xlnet family: Transformer-XL positions add the W_r projection of the s + t - 1 distances and
   a positional score table per stream; its query stream attends at all `length` positions
   (scattered there and gathered back, as XLNet does). Encoder family: the query stream
   attends from its slots only, and the MLM head transform runs on the slots (XLNet has
@@ -116,7 +116,7 @@ def two_stream_forward_flops(cfg, length: int, predictions: int, memory: int = 0
   query = 4 * e * a * n + 2 * n * mlp  # q and output projections, MLP
   head = 2 * n * e * cfg.vocab_size
   if getattr(cfg, "family", "") == "xlnet":
-    p = 2 * s - 1
+    p = s + t - 1
     keys += 2 * e * e * p  # W_r R(d) of every distance
     content += 2 * t * p * e  # positional score table
     query += 2 * t * p * e + 2 * 2 * n * t * e + 4 * t * s * e  # table, scatter and gather, attention at t

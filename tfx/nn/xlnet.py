@@ -1,7 +1,7 @@
 """XLNet building blocks: Transformer-XL relative attention with two streams and memory.
 
 Shape letters as in tfx/nn/__init__.py, plus: m memory length, s = m + t key length,
-n prediction slots, p relative distances (2s - 1 of them).
+n prediction slots, p relative distances (s + t - 1 of them).
 
 - Relative positions: query i in [0, t) and key j in [0, s) are at distance
   d_ij = i + m - j. R(d) = concat[sin(d f), cos(d f)], f_k = 10000^(-2k/e). The positional
@@ -44,11 +44,13 @@ def distance_table(length: int, mem_length: int) -> tuple[jax.Array, jax.Array]:
     mem_length: m, memory positions before the queries (keys are [mem; current], s = m + t).
 
   Returns:
-    distances: [2s - 1] float32, s - 1 down to -(s - 1).
+    distances: [s + t - 1] float32, s - 1 down to -(t - 1): the distances i + m - j that occur
+      (the rest of -(s - 1)..(s - 1) never does: with memory, building them would only add rows
+      to the W_r projection and the positional score tables).
     index: [t, s] int32 with distances[index[i, j]] == i + m - j.
   """
   s = mem_length + length
-  distances = jnp.arange(s - 1, -s, -1, dtype=jnp.float32)  # [p]
+  distances = jnp.arange(s - 1, -length, -1, dtype=jnp.float32)  # [p]
   i = jnp.arange(length)[:, None]
   j = jnp.arange(s)[None, :]
   index = (length - 1 - i + j).astype(jnp.int32)  # [t, s]; = (s - 1) - (i + m - j)
