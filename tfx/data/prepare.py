@@ -281,7 +281,7 @@ def _resume_same_spec(directory: epath.Path, spec: Spec, requested: dict) -> Non
   path = directory / PREPARING
   if path.exists():
     _check_same_spec(json.loads(path.read_text()), spec, directory, ("shard_mb", "tokenizer"), requested)
-  elif any(directory.glob("shard-*.json")) or saved_tokenizer(directory) is not None:
+  elif any(directory.glob("shard-*.json")):  # (a tokenizer alone was put there on purpose: it is used)
     raise store.StoreError(f"{directory} holds part of a token store but no {PREPARING} saying what it was prepared "
                            f"from; use another --out, or delete {directory} to prepare it again")
   else:
