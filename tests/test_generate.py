@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tfx import generate as G
+from tfx import ops
 from tfx.config import load_config
 from tfx.errors import UserError
 from tfx.models import build_model
@@ -78,7 +79,7 @@ def test_prefix_lm_prompt_is_bidirectional(learned):
   positions = G.prompt_positions(segments)
   prefix = jnp.sum(segments, axis=1, keepdims=True)
   logits = model.apply({"params": params}, prompt, segments, positions,
-                       mask=G.ops.prefix_lm_mask(segments, positions, prefix))[:, -1]  # [b, v]
+                       mask=ops.prefix_lm_mask(segments, positions, prefix))[:, -1]  # [b, v]
   mask = G.prompt_mask(segments, model.cfg.max_length)
   first, _ = G.decode_step(model, params, G.init_cache(model, prompt.shape[0]), prompt, positions, segments, mask)
   np.testing.assert_allclose(np.asarray(first), np.asarray(logits), atol=1e-4)

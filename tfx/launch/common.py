@@ -135,14 +135,19 @@ class Job:
     return shlex.join(self.train_argv(python))
 
 
+def split_config_arg(config_path: str) -> tuple[str, str]:
+  """`configs/x.py:ARG` -> ("configs/x.py", ":ARG"); a path without an argument -> (path, "")."""
+  if ":" in os.path.basename(config_path):
+    path, arg = config_path.rsplit(":", 1)
+    return path, ":" + arg
+  return config_path, ""
+
+
 def load_job(config_path: str, workdir: str, overrides: Sequence[str]) -> Job:
   """Loads the config with its overrides; a config inside the repository is named relative to it
   (the hosts run from their copy of the repository), one outside it absolutely."""
   config = config_lib.load_config(config_path, list(overrides))
-  path, arg = config_path, ""
-  if ":" in os.path.basename(path):
-    path, arg = path.rsplit(":", 1)
-    arg = ":" + arg
+  path, arg = split_config_arg(config_path)
   relative = os.path.relpath(os.path.abspath(path), ROOT)
   shown = os.path.abspath(path) if relative.startswith("..") else relative
   return Job(shown + arg, workdir, list(overrides), config)
@@ -173,9 +178,7 @@ def check_config_in_repo(job: Job) -> None:
 
 def check_config_committed(job: Job, commit: str) -> None:
   """For backends that ship `git archive COMMIT`: the config file must be in that commit."""
-  path = job.config_path
-  if ":" in os.path.basename(path):
-    path = path.rsplit(":", 1)[0]
+  path, _ = split_config_arg(job.config_path)
   found = subprocess.run(["git", "cat-file", "-e", f"{commit}:{path}"], cwd=ROOT, capture_output=True)
   if found.returncode:
     raise LaunchError(f"--config {path} is not in commit {commit[:12]}, which is what the hosts get (git archive): "

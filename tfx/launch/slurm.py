@@ -7,8 +7,9 @@
 srun starts one process per node; JAX's SLURM detection (TFX_DISTRIBUTED=1 makes tfx call
 jax.distributed.initialize()) finds the coordinator, the process count and the rank from SLURM's
 variables, and TFX_LOCAL_DEVICE_IDS gives each process all its node's GPUs (JAX's detection alone
-would give it only the GPU of its task index, one per node). --requeue lets the scheduler restart a preempted job; it resumes from the workdir, which
-must be on a filesystem every node mounts (an absolute path) or gs://.
+would give it only the GPU of its task index, one per node). --requeue lets the scheduler restart
+a preempted job; it resumes from the workdir, which must be on a filesystem every node mounts (an
+absolute path) or gs://.
 """
 
 from __future__ import annotations
