@@ -63,6 +63,50 @@ def test_plan_matches_the_budget_and_refuses_bad_sweeps(tmp_path, shared_tokeniz
                  "  return Sweep(name='x', arms=(Arm('a'), Arm('a')))\n")
   with pytest.raises(sweep.UserError, match="unique"):
     sweep.load_sweep(str(bad), smoke=True)
+  bad.write_text("from tfx.sweep import Arm, Sweep\ndef get_sweep(smoke):\n"
+                 "  return Sweep(name='x', arms=(Arm('lr 1e-3'), Arm('lr_1e-3')))\n")
+  with pytest.raises(sweep.UserError, match="share the run directory 'lr_1e-3'"):
+    sweep.load_sweep(str(bad), smoke=True)
+
+
+def test_parallel_runs_get_gpus_from_the_allocation_this_process_was_given(monkeypatch):
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+  assert [sweep._device_env(slot, 2, ("gpu", 4)) for slot in (0, 1)] == [
+      {"CUDA_VISIBLE_DEVICES": "4,5"}, {"CUDA_VISIBLE_DEVICES": "6,7"}]
+  monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+  assert sweep._device_env(1, 2, ("gpu", 4)) == {"CUDA_VISIBLE_DEVICES": "2,3"}
+  assert sweep._device_env(1, 2, ("cpu", 1)) == {}
+  with pytest.raises(sweep.UserError, match="needs at least 3 GPUs; there are 2"):
+    sweep._device_env(0, 3, ("gpu", 2))
+  with pytest.raises(sweep.UserError, match="without --parallel"):
+    sweep._device_env(0, 2, ("tpu", 4))
+
+
+def test_a_single_seed_arm_is_plotted_without_an_interval(tmp_path, shared_tokenizer, monkeypatch):
+  """An arm with one complete seed has no confidence interval: its bar has no error bar (not a
+  zero-width one), while the two-seed arm's bar spans the t interval."""
+  s = sweep.load_sweep(_write(tmp_path, shared_tokenizer), smoke=True)
+  runs = sweep.plan(s, str(tmp_path / "w"))
+  accuracy = {"causal/0": 0.5, "causal/1": 0.7, "prefix/0": 0.6}
+  for run in runs:
+    if run.key in accuracy:
+      os.makedirs(os.path.join(run.directory, "pretrain"))
+      open(os.path.join(run.directory, "pretrain", "metrics.jsonl"), "w").close()  # no eval curve
+      record = {"arm": run.arm, "seed": run.seed, "fingerprint": run.fingerprint(),
+                "finetune": {"test": {"accuracy": accuracy[run.key]}}}
+      with open(os.path.join(run.directory, sweep.RUN_FILE), "w") as f:
+        json.dump(record, f)
+  bars = {}
+
+  def capture(names, means, lows, highs, path, title, ylabel):
+    bars.update({n: (lo, hi) for n, lo, hi in zip(names, lows, highs)})
+    return str(path)
+
+  monkeypatch.setattr("tfx.plots.bars_with_errors", capture)
+  sweep_report.write_report(s, runs, str(tmp_path / "w"))
+  half = stats.t.ppf(0.975, 1) * np.std([0.5, 0.7], ddof=1) / math.sqrt(2)
+  assert bars["causal"] == pytest.approx((0.6 - half, 0.6 + half))
+  assert all(math.isnan(x) for x in bars["prefix"])
 
 
 def _png_ok(path: str) -> None:
@@ -160,7 +204,24 @@ def test_a_preempted_run_stops_the_whole_sweep(tmp_path, shared_tokenizer, monke
     return {"status": "interrupted", "step": 3}
 
   monkeypatch.setattr(sweep, "execute", fake_execute)
-  sweep.main([sweep_file, "--workdir", str(tmp_path / "w")])
+  with pytest.raises(SystemExit) as stopped:
+    sweep.main([sweep_file, "--workdir", str(tmp_path / "w")])
+  assert stopped.value.code == sweep.INTERRUPTED
   assert started == ["causal/0"]
   assert "the sweep stops here: run the same command to resume" in capsys.readouterr().out
   assert not os.path.exists(tmp_path / "w" / "results.md")
+
+
+def test_a_preempted_parallel_run_is_reported_as_stopped_not_failed(tmp_path, shared_tokenizer, monkeypatch,
+                                                                    capsys):
+  """In --parallel mode the runs are subprocesses: one stopped by SIGTERM (exit status 75) stops
+  the sweep with 75 and the resume hint; any other non-zero status is a failure."""
+  sweep_file = _write(tmp_path, shared_tokenizer)
+  monkeypatch.setattr(sweep, "run_parallel", lambda file, workdir, smoke, runs, n: [0, sweep.INTERRUPTED, 0, 0])
+  with pytest.raises(SystemExit) as stopped:
+    sweep.main([sweep_file, "--workdir", str(tmp_path / "w"), "--parallel", "2"])
+  assert stopped.value.code == sweep.INTERRUPTED
+  assert "causal/1 stopped early (checkpoints saved): run the same command" in capsys.readouterr().out
+  monkeypatch.setattr(sweep, "run_parallel", lambda file, workdir, smoke, runs, n: [0, sweep.INTERRUPTED, 1, 0])
+  with pytest.raises(SystemExit, match="runs failed: prefix/0"):
+    sweep.main([sweep_file, "--workdir", str(tmp_path / "w"), "--parallel", "2"])

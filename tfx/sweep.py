@@ -16,13 +16,14 @@ Each run (arm, seed) lives in WORKDIR/<arm>/seed_<k>/: `pretrain/` is a tfx.trai
 summary metrics, the planned config overrides (a rerun with other overrides stops rather than
 mixes results), the git commit, the library versions and the devices. A run without `run.json`
 is (re)started, and tfx.train / tfx.finetune resume it from its last checkpoint, so a killed
-sweep rerun with the same command completes only what is missing.
+sweep rerun with the same command completes only what is missing. A run stopped early (SIGTERM:
+a preemption; it saved a checkpoint) stops the sweep with exit status 75, with no report.
 
 Budget matching (`match`): every arm trains `budget` tokens ("tokens": tokens the pipeline reads
 per step = batch x row length) or `budget` training FLOPs ("flops": the objective's own count,
 tfx.flops, the same as MFU uses); each arm's step count is derived from it and the table shows
 both. `--parallel N` runs N runs at a time as subprocesses, on disjoint device subsets when
-there are accelerators (CUDA_VISIBLE_DEVICES / TPU_VISIBLE_CHIPS); `--print-commands` prints
+there are GPUs (CUDA_VISIBLE_DEVICES, within the one this process was given); `--print-commands` prints
 one command per pending run, for a cluster scheduler. The report (tfx/sweep_report.py) is
 written after every sweep and by `--report-only`.
 """
@@ -30,6 +31,7 @@ written after every sweep and by `--report-only`.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import hashlib
 import importlib.util
@@ -138,6 +140,10 @@ def load_sweep(path: str, smoke: bool) -> Sweep:
   names = [a.name for a in sweep.arms]
   if len(set(names)) != len(names) or SCRATCH in names:
     raise UserError(f"{path}: arm names must be unique and not {SCRATCH!r}: {names}")
+  dirs = collections.Counter(_dirname(n) for n in [*names, SCRATCH])
+  if clash := [n for n in names if dirs[_dirname(n)] > 1]:
+    raise UserError(f"{path}: arm names {clash} share the run directory {_dirname(clash[0])!r} (characters other "
+                    "than letters, digits, '-', '_' and '.' become '_'): rename one of them")
   if sweep.baseline and sweep.baseline not in names:
     raise UserError(f"{path}: baseline {sweep.baseline!r} is not an arm ({', '.join(names)})")
   if sweep.match not in ("", "tokens", "flops") or (sweep.match and sweep.budget <= 0):
@@ -294,28 +300,48 @@ def execute(run: Planned) -> dict[str, Any]:
   return record
 
 
+INTERRUPTED = 75  # exit status of a sweep (or one run of it) stopped by SIGTERM after a checkpoint (EX_TEMPFAIL)
+
+
 def _command(sweep_file: str, workdir: str, smoke: bool, run: Planned) -> list[str]:
   return [sys.executable, "-m", "tfx.sweep", sweep_file, "--workdir", workdir, *(["--smoke"] if smoke else []),
           "--only", run.key, "--no-report"]
 
 
-def _device_env(slot: int, parallel: int) -> dict[str, str]:
-  """Environment that gives subprocess `slot` of `parallel` its own accelerators (none on CPU)."""
-  import jax  # noqa: PLC0415
+def _accelerators() -> tuple[str, int]:
+  """(platform, device count) of this machine, asked of a child process: a parent that started a
+  GPU backend itself would hold (preallocate) memory on every GPU that its runs need."""
+  probe = "import jax; d = jax.devices(); print(d[0].platform, len(d))"
+  out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
+  if out.returncode != 0:
+    raise UserError(f"--parallel: could not list the devices: {out.stderr.strip()[-500:]}")
+  platform_name, count = out.stdout.split()[-2:]
+  return platform_name, int(count)
 
-  devices = jax.devices()
-  platform_name = devices[0].platform
+
+def _device_env(slot: int, parallel: int, accelerators: tuple[str, int]) -> dict[str, str]:
+  """Environment that gives subprocess `slot` of `parallel` its own GPUs (none on CPU). The ids are
+  taken from this process's own CUDA_VISIBLE_DEVICES when it has one (a scheduler's allocation:
+  GPUs 4-7 stay 4-7), else 0..count-1."""
+  platform_name, count = accelerators
   if platform_name == "cpu" or parallel <= 1:
     return {}
-  per = len(devices) // parallel
+  if platform_name != "gpu":
+    raise UserError(f"--parallel {parallel} on {platform_name}: one host's TPU chips belong to one process "
+                    "unless each is given its own process bounds and ports, which tfx.sweep does not set up; run "
+                    "the sweep without --parallel (one run at a time on all chips), or one --only ARM per host")
+  per = count // parallel
   if per < 1:
-    raise UserError(f"--parallel {parallel} needs at least {parallel} devices; there are {len(devices)}")
-  ids = ",".join(str(i) for i in range(slot * per, (slot + 1) * per))
-  return {"CUDA_VISIBLE_DEVICES": ids} if platform_name == "gpu" else {"TPU_VISIBLE_CHIPS": ids}
+    raise UserError(f"--parallel {parallel} needs at least {parallel} GPUs; there are {count}")
+  visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+  pool = visible if len(visible) == count else [str(i) for i in range(count)]
+  return {"CUDA_VISIBLE_DEVICES": ",".join(pool[slot * per:(slot + 1) * per])}
 
 
 def run_parallel(sweep_file: str, workdir: str, smoke: bool, runs: list[Planned], parallel: int) -> list[int]:
   """Runs `runs` as subprocesses, `parallel` at a time, each on its own device subset; exit codes."""
+  accelerators = _accelerators()
+  _device_env(0, parallel, accelerators)  # devices that cannot be split stop here, before any run
   slots = list(range(parallel))
 
   def one(run: Planned) -> int:
@@ -325,7 +351,7 @@ def run_parallel(sweep_file: str, workdir: str, smoke: bool, runs: list[Planned]
       log.mkdir(parents=True, exist_ok=True)
       with open(os.path.join(run.directory, "sweep.log"), "a") as f:
         return subprocess.run(_command(sweep_file, workdir, smoke, run), stdout=f, stderr=subprocess.STDOUT,
-                              env={**os.environ, **_device_env(slot, parallel)}, cwd=ROOT).returncode
+                              env={**os.environ, **_device_env(slot, parallel, accelerators)}, cwd=ROOT).returncode
     finally:
       slots.append(slot)
 
@@ -369,9 +395,13 @@ def main(argv: list[str] | None = None) -> None:
       if args.parallel > 1:
         codes = run_parallel(os.path.abspath(args.sweep_file), os.path.abspath(args.workdir), args.smoke, pending,
                              args.parallel)
-        failed = [r.key for r, c in zip(pending, codes) if c != 0]
+        failed = [r.key for r, c in zip(pending, codes) if c not in (0, INTERRUPTED)]
         if failed:
           raise UserError(f"runs failed: {', '.join(failed)} (see sweep.log in their directories)")
+        if stopped := [r.key for r, c in zip(pending, codes) if c == INTERRUPTED]:
+          print(f"tfx.sweep: {', '.join(stopped)} stopped early (checkpoints saved): run the same command to resume",
+                flush=True)
+          sys.exit(INTERRUPTED)
       else:
         for i, run in enumerate(pending):
           print(f"tfx.sweep: [{i + 1}/{len(pending)}] {run.key} -> {run.directory}", flush=True)
@@ -379,7 +409,7 @@ def main(argv: list[str] | None = None) -> None:
           if result.get("status") == "interrupted":  # SIGTERM (a preemption): the whole sweep stops
             print(f"tfx.sweep: {run.key} stopped at step {result.get('step')} (checkpoint saved); the sweep stops "
                   f"here: run the same command to resume", flush=True)
-            return
+            sys.exit(INTERRUPTED)
     if not args.no_report:
       paths = sweep_report.write_report(sweep, runs, args.workdir)
       print(f"tfx.sweep: report {', '.join(paths)}")

@@ -205,7 +205,7 @@ def write_report(sweep, runs, workdir: str) -> list[str]:
       continue
     shown = [e for e in table if not math.isnan(e["metrics"][key][0])]
     means = [e["metrics"][key][0] for e in shown]
-    halves = [0.0 if math.isnan(e["metrics"][key][1]) else e["metrics"][key][1] for e in shown]
+    halves = [e["metrics"][key][1] for e in shown]  # nan: one seed, no interval (no error bar drawn)
     name = key.replace("/", "_") + ".png"
     plots.bars_with_errors([e["arm"] for e in shown], means, [m - h for m, h in zip(means, halves)],
                            [m + h for m, h in zip(means, halves)], str(out / name), f"{sweep.name}: {label}", label)

@@ -9,9 +9,9 @@ occurs more than once are dropped (all copies), so no text is in two splits or t
 - `stdlib:package`: a function's source -> the top-level package it belongs to (`email`,
   `asyncio`, ...). The classes are the `finetune.stdlib_classes` packages with the most functions
   among those with at least 3 files that have functions (so that every split can hold whole
-  files of every class). Files are held out whole: within each class, files in stable-hash
-  order go to test, validation, train, then to the split furthest below its share of the
-  functions (`tfx.tasks.base.assign_groups`). Caps per class: `max_train_examples // classes`
+  files of every class). Files are held out whole: within each class, the largest files first
+  (ties in stable-hash order) each go to the split furthest below its share of the functions,
+  and the last files fill any split still empty (`tfx.tasks.base.assign_groups`). Caps per class: `max_train_examples // classes`
   and `max_eval_examples // classes` (0 = no cap), the first in stable-hash order.
 - `stdlib:docstring`: (docstring, function without its docstring) -> 'match' if they come from
   the same function, 'mismatch' if the docstring is another function's from a different file of
