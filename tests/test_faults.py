@@ -128,6 +128,35 @@ def test_damaged_checkpoints_fall_back_and_are_listed(tmp_path, shared_tokenizer
   result = train.run(small(shared_tokenizer, "--config.train.steps=14", "--config.train.restore_step=10",
                            "--config.train.checkpoint_every=2"), workdir)
   assert result["step"] == 14 and sorted(int(s) for s in os.listdir(ckpts) if s.isdigit()) == [10, 12, 14]
+  # a config that builds another state (allowed through) is not damage: one error, nothing moved aside
+  aside = sorted(os.listdir(tmp_path / "run" / "checkpoints_set_aside"))
+  with pytest.raises(train.checkpoint.CheckpointError, match="match their checksums, so nothing was set aside"):
+    train.run(small(shared_tokenizer, "--config.train.steps=16", "--config.model.d_ff=96",
+                    "--config.train.allow_config_change=true"), workdir)
+  assert sorted(int(s) for s in os.listdir(ckpts) if s.isdigit()) == [10, 12, 14]
+  assert sorted(os.listdir(tmp_path / "run" / "checkpoints_set_aside")) == aside
+  # clipping turned off on resume (drift: safe) keeps the optimizer state's structure
+  result = train.run(small(shared_tokenizer, "--config.train.steps=16", "--config.optim.grad_clip=0",
+                           "--config.train.checkpoint_every=2"), workdir)
+  assert result["step"] == 16 and sorted(os.listdir(tmp_path / "run" / "checkpoints_set_aside")) == aside
+
+
+def test_rewind_counts_restart_at_the_first_good_checkpoint():
+  """`rewind` stops after more than max_skipped rewinds *without a good checkpoint in between*: a
+  rewind to the initial state, then the first checkpoint, then another NaN is a fresh first rewind."""
+  from types import SimpleNamespace
+
+  from tfx.guard import REWIND, Guard
+
+  quiet = SimpleNamespace(event=lambda *a, **k: None, flush=lambda: None, note=lambda *a: None)
+  cfg = SimpleNamespace(on_nonfinite="rewind", max_skipped=1, spike_factor=0.0, poison_step=0)
+  guard = Guard(cfg, quiet, quiet)
+  nan = {"nonfinite": 1.0, "loss": float("nan"), "grad_norm": float("nan")}
+  assert guard.check([nan], 2) == REWIND  # no checkpoint yet: back to the initial state
+  guard.saved(4)
+  assert guard.check([nan], 6) == REWIND
+  with pytest.raises(train.NonFiniteError, match="1 rewinds did not get past it"):
+    guard.check([nan], 6)  # the same step again, with no checkpoint in between
 
 
 # ----------------------------------------------------------------------------- config drift
@@ -176,6 +205,9 @@ def test_drift_after_an_import_refuses_only_model_changes(tmp_path):
   with pytest.raises(config_lib.ConfigError, match="train.batch_size"):
     drift.check(new_data, tmp_path, checkpoint_steps=(0, 4))
   assert drift.check(new_data, tmp_path, checkpoint_steps=()) == {}
+  # the fused output projection computes the same loss: a resume may change it
+  assert drift.check(tiny_config("--config.model.loss_chunk=32"), tmp_path, checkpoint_steps=(0, 4)) == {
+      "model.loss_chunk": (0, 32)}
 
 
 def test_lock_refuses_a_second_writer_and_takes_over_a_dead_one(tmp_path):

@@ -228,10 +228,14 @@ def restore_good(workdir, mngr: ocp.CheckpointManager, abstract_state, *, step: 
                  move_aside: bool = True):
   """(state, data_state, step) of the newest good checkpoint (of `step` if > 0), or None if the
   workdir has none. A damaged, unreadable or non-finite step is reported in one line, moved aside
-  (when `move_aside`) and the next older one tried. Raises CheckpointError if none is good."""
+  (when `move_aside`) and the next older one tried. A step whose files all match their manifest's
+  checksums but that does not restore (a config that builds another state, a storage error) is
+  not damaged: CheckpointError, and nothing is moved. Raises CheckpointError if none is good."""
   found = steps(workdir)
   marker = epath.Path(workdir) / SET_ASIDE / f"restore_step_{step}.done"
   if step and move_aside and marker.exists():  # applied by an earlier invocation: resume as usual
+    note(f"train.restore_step={step} was applied by an earlier run of this command ({marker}); resuming from the "
+         f"newest checkpoint. To roll back to step {step} again, delete that file.")
     step = 0
   _barrier("tfx-restore-listed")  # every process has its view of the steps before process 0 moves any
   if not found:
@@ -258,6 +262,8 @@ def restore_good(workdir, mngr: ocp.CheckpointManager, abstract_state, *, step: 
       try:
         state, data_state = restore(mngr, s, abstract_state)
       except CheckpointError as e:
+        if status == "ok":  # every file matches its checksum: not damage but this run's config, code or storage
+          raise CheckpointError(f"{e} Its files match their checksums, so nothing was set aside.") from e.__cause__
         status, detail = "damaged", str(e.__cause__ or e).splitlines()[0][:200]
     if state is not None and not all_finite(state.params if hasattr(state, "params") else state):
       status, detail = "nonfinite", "its parameters are not finite"

@@ -38,7 +38,7 @@ def table(workdir) -> tuple[str, bool]:
     lines.append(f"(no checkpoints in {checkpoint.checkpoint_dir(workdir)})")
   aside = epath.Path(workdir) / checkpoint.SET_ASIDE
   if aside.exists():
-    for p in sorted(aside.iterdir(), key=lambda p: p.name):
+    for p in sorted((p for p in aside.iterdir() if p.is_dir()), key=lambda p: p.name):  # not restore_step markers
       why = p / "SET_ASIDE_REASON.txt"
       lines.append(f"set aside: {p}" + (f" ({why.read_text().strip()})" if why.exists() else ""))
   return "\n".join(lines), any(r["status"] == "damaged" for r in rows)

@@ -4,8 +4,8 @@ A resume compares the new config with the run's WORKDIR/config.json (only when t
 checkpoint: without one nothing can be misread). Changes fall in three kinds:
 
   meaning   the checkpoint would mean something else: model.* (but model.attention, model.remat,
-            model.scan_unroll and model.relative_distance, which compute the same function on
-            tfx's rows), objective.*, data.seq_len, train.batch_size,
+            model.scan_unroll, model.relative_distance and model.loss_chunk, which compute the
+            same function on tfx's rows), objective.*, data.seq_len, train.batch_size,
             train.seed. Refused unless --config.train.allow_config_change=true.
   corpus    what the model reads: data.source, tokenizer, vocab_size, max_documents, text_field,
             eval_fraction, tokenizer_sample_bytes. Refused unless data.allow_changed_corpus
@@ -29,7 +29,8 @@ from tfx.config import ConfigError
 from tfx.data import store
 from tfx.errors import DataError
 
-SAME_FUNCTION_MODEL_KEYS = ("model.attention", "model.remat", "model.scan_unroll", "model.relative_distance")
+SAME_FUNCTION_MODEL_KEYS = ("model.attention", "model.remat", "model.scan_unroll", "model.relative_distance",
+                            "model.loss_chunk")
 MEANING_KEYS = ("data.seq_len", "train.batch_size", "train.seed")
 CORPUS_KEYS = ("data.source", "data.tokenizer", "data.vocab_size", "data.max_documents", "data.text_field",
                "data.eval_fraction", "data.tokenizer_sample_bytes")

@@ -115,7 +115,7 @@ class Guard:
 
   def saved(self, step: int) -> None:
     """A checkpoint of a finite state was saved at `step`: rewinds now start from there."""
-    if self.policy == "rewind" and self.good_checkpoint is not None and step > self.good_checkpoint:
+    if self.policy == "rewind" and step > (self.good_checkpoint or 0):  # past the rewinds' start (0: the initial state)
       self.in_a_row = 0
     self.good_checkpoint = step
 

@@ -54,9 +54,11 @@ def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=o.learning_rate, warmup_steps=warmup,
       decay_steps=max(steps, warmup + 1), end_value=o.learning_rate * o.final_lr_fraction)
-  parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
-  parts.append(optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask))
-  return optax.chain(*parts), schedule
+  # No clipping is an identity in the same place: the optimizer state has one structure whatever
+  # optim.grad_clip is, so a resume may turn clipping on or off (drift calls it safe).
+  clip = optax.clip_by_global_norm(o.grad_clip) if o.grad_clip > 0 else optax.identity()
+  adamw = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
+  return optax.chain(clip, adamw), schedule
 
 
 def applied_learning_rate(schedule: optax.Schedule, opt_state) -> jax.Array:
