@@ -141,8 +141,9 @@ XLNET = ["--config.model.family=xlnet", "--config.objective.name=permutation_lm"
 ], ids=["decoder_clm", "encoder_mlm", "t5_spans", "xlnet", "xlnet_memory", "encoder_plm"])
 def test_objective_flops_match_xla_cost_analysis(overrides):
   """Each objective's analytic forward count (train_flops_per_row / 3) against XLA's own count
-  of the compiled loss: only elementwise work (norms, softmax, GELU: a few %) and XLNet's W_r
-  projection, done once per batch here, separate them. Span corruption's decoder runs on 20
+  of the compiled loss: only elementwise work (norms, softmax, GELU: a few %) separates them
+  (XLNet's W_r projection, done once per batch without bi_data, is not in the per-row count: the
+  test adds it). Span corruption's decoder runs on 20
   positions against 64 encoder positions, and the xlnet query stream on 11 slots, so a
   per-position count would be far off."""
   seq, batch = 64, 2
@@ -159,7 +160,11 @@ def test_objective_flops_match_xla_cost_analysis(overrides):
   loss = lambda p, b, **k: objective.loss(model, p, b, jax.random.key(0), train=False, **k)[0]
   xla = jax.jit(loss).lower(params, data, **kwargs).compile().cost_analysis()["flops"]
   analytic = objective.train_flops_per_row(model.cfg, seq) / 3 * batch
-  assert 0.93 < xla / analytic < 1.06, (xla, analytic)
+  if model.cfg.family == "xlnet":  # plus W_r R(d) of the s + t - 1 distances, once per batch (no bi_data)
+    memory = model.cfg.mem_len if state is not None else 0
+    analytic += model.cfg.num_layers * 2 * model.cfg.d_model ** 2 * (memory + 2 * seq - 1)
+  print(f"xla / analytic = {xla / analytic:.4f}")
+  assert 0.98 < xla / analytic < 1.04, (xla, analytic)
 
 
 @pytest.mark.slow

@@ -21,8 +21,10 @@ PEAK_FLOPS = {
     "H100 PCIe": 756e12,
     "H100 NVL": 835e12,
     "H200": 989e12,
+  "H200 NVL": 835e12,
     "A100": 312e12,
     "TPU v4": 275e12,
+  "TPU v4 lite": 138e12,  # v4i
     "TPU v5 lite": 197e12,  # v5e
     "TPU v5e": 197e12,
     "TPU v5p": 459e12,
@@ -97,14 +99,16 @@ def seq2seq_forward_flops(cfg, inputs: int, targets: int) -> float:
   return encoder + decoder + 2 * targets * e * cfg.vocab_size
 
 
-def two_stream_forward_flops(cfg, length: int, predictions: int, memory: int = 0) -> float:
+def two_stream_forward_flops(cfg, length: int, predictions: int, memory: int = 0, *,
+                             per_row_encoding: bool = True) -> float:
   """Forward FLOPs of one permutation-LM row: the content stream over `length` positions (keys
   = memory + length) and the query stream over `predictions` slots, which shares the content
   stream's keys and values; the output projection only at the slots. The last layer's content
   stream is not counted beyond its keys and values: nothing reads its output.
 
-  xlnet family: Transformer-XL positions add the W_r projection of the s + t - 1 distances and
-  a positional score table per stream; its query stream attends at all `length` positions
+  xlnet family: Transformer-XL positions add the W_r projection of the s + t - 1 distances (per
+  row when `per_row_encoding`, as with bi_data's signed distances; otherwise once per batch,
+  which a per-row count leaves out) and a positional score table per stream; its query stream attends at all `length` positions
   (scattered there and gathered back, as XLNet does). Encoder family: the query stream
   attends from its slots only, and the MLM head transform runs on the slots (XLNet has
   num_heads * head_dim = d_model; the encoder may not).
@@ -117,7 +121,7 @@ def two_stream_forward_flops(cfg, length: int, predictions: int, memory: int = 0
   head = 2 * n * e * cfg.vocab_size
   if getattr(cfg, "family", "") == "xlnet":
     p = s + t - 1
-    keys += 2 * e * e * p  # W_r R(d) of every distance
+    keys += 2 * e * e * p if per_row_encoding else 0  # W_r R(d) of every distance
     content += 2 * t * p * e  # positional score table
     query += 2 * t * p * e + 2 * 2 * n * t * e + 4 * t * s * e  # table, scatter and gather, attention at t
   else:

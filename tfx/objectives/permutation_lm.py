@@ -218,10 +218,11 @@ class PermutationLM(Objective):
     return resolve_lengths(seq_len, self.num_predict, self.reuse_len, self.perm_size)
 
   def train_flops_per_row(self, model_cfg, seq_len: int) -> float:
-    """Content stream over the row (plus memory), query stream over num_predict slots."""
+    """Content stream over the row (plus memory), query stream over num_predict slots; the xlnet
+    family projects its relative encodings per row only with bi_data (signed per row)."""
     num_predict, _, _ = self.lengths(seq_len)
     memory = model_cfg.mem_len if model_cfg.family == "xlnet" else 0
-    return 3 * flops.two_stream_forward_flops(model_cfg, seq_len, num_predict, memory)
+    return 3 * flops.two_stream_forward_flops(model_cfg, seq_len, num_predict, memory, per_row_encoding=self.bi_data)
 
   def check_seq_len(self, seq_len: int) -> None:
     _, reuse_len, _ = self.lengths(seq_len)
