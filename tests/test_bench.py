@@ -61,13 +61,40 @@ def test_mfu_is_not_applicable_on_cpu(result):
 
 @pytest.mark.parametrize("kind, tflops", [
     ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835), ("NVIDIA H200", 989),
-    ("NVIDIA A100-SXM4-80GB", 312), ("TPU v4", 275), ("TPU v5 lite", 197), ("TPU v5", 459), ("TPU v6 lite", 918),
-    ("NVIDIA B200", None)])
+    ("NVIDIA H200 NVL", 835), ("NVIDIA A100-SXM4-80GB", 312), ("TPU v4", 275), ("TPU v4 lite", 138),
+    ("TPU v5 lite", 197), ("TPU v5", 459), ("TPU v6 lite", 918), ("NVIDIA B200", None)])
 def test_device_peaks_are_dense_bf16_by_device_kind(kind, tflops):
   """The longest name that matches wins (an H100 PCIe is not an SXM part); an unknown device has no peak."""
   device = type("Device", (), {"platform": "gpu", "device_kind": kind})()
   peak = flops.device_peak_flops(device)
   assert (peak and peak / 1e12) == tflops
+
+
+def test_timed_compiles_bypass_the_persistent_compilation_cache(tmp_path):
+  """With JAX_COMPILATION_CACHE_DIR set (tfx.launch sets it) and the cache already in use, a compile
+  inside bench.no_compilation_cache() neither reads nor writes it, so it is timed as a compile; a
+  compile after the block writes it again. A fresh process: the cache is process-wide."""
+  import subprocess
+  import sys
+
+  code = ("import jax, os\n"
+          "from tfx import bench\n"
+          "f = lambda x: (x @ x.T).sum()\n"
+          "x = jax.ShapeDtypeStruct((64, 64), 'float32')\n"
+          "count = lambda: len(os.listdir(os.environ['JAX_COMPILATION_CACHE_DIR']))\n"
+          "jax.jit(lambda x: x.sum()).lower(x).compile()  # the cache is in use from here\n"
+          "before = count()\n"
+          "with bench.no_compilation_cache():\n"
+          "  jax.jit(f).lower(x).compile()\n"
+          "inside = count()\n"
+          "jax.jit(lambda x: (x @ x).sum()).lower(x).compile()\n"
+          "print(before, inside, count())\n")
+  env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  before, inside, after = map(int, out.stdout.split())
+  assert before == inside == 1 and after == 2, out.stderr
 
 
 def test_flops_per_token_matches_a_hand_count():

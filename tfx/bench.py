@@ -91,6 +91,22 @@ def compile_timer() -> Iterator[dict[str, float]]:
     monitoring.unregister_event_duration_listener(listen)
 
 
+@contextlib.contextmanager
+def no_compilation_cache() -> Iterator[None]:
+  """Compiles inside the block are real compiles: JAX's persistent cache (JAX_COMPILATION_CACHE_DIR,
+  which tfx.launch sets) would otherwise load a program compiled before and time the load."""
+  from jax.experimental.compilation_cache import compilation_cache
+
+  before = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()  # JAX decides once per process whether to use the cache: ask again
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", before)
+    compilation_cache.reset_cache()
+
+
 def peak_memory_bytes() -> int | None:
   """Largest peak bytes in use over the local devices, if the backend reports it (not on CPU)."""
   peaks = []
@@ -148,7 +164,8 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
   host = synthetic_batch(local_rows, row_length, exp.model.cfg.vocab_size, seed=config.train.seed + jax.process_index())
   batch = parallel.global_batch(host, exp.mesh)
 
-  with compile_timer() as compiled, ops.recorded_choices() as chosen, parallel.context(exp.mesh):
+  with compile_timer() as compiled, ops.recorded_choices() as chosen, parallel.context(exp.mesh), \
+      no_compilation_cache():
     start = time.perf_counter()
     frozen = train_step.frozen  # the objective's frozen inputs (a teacher), None for most
     executable = train_step.jitted.lower(state, batch, frozen).compile()
