@@ -418,6 +418,7 @@ def test_padding_tokens_do_not_matter():
   assert float(loss_fn(batch)) == float(loss_fn(changed))
 
 
+@pytest.mark.slow  # long: make test-slow runs it
 def test_real_xlnet_model():
   """The objective drives the `xlnet` family; query logits never depend on their own token's embedding."""
   xlnet = pytest.importorskip("tfx.models.xlnet")

@@ -205,6 +205,7 @@ def test_objective_state_is_carried_and_resumed(tmp_path, shared_tokenizer):
     train.run(quick(shared_tokenizer, *overrides, "--config.train.grad_accum=2"), str(tmp_path / "bad"))
 
 
+@pytest.mark.slow  # long: make test-slow runs it
 def test_eval_with_memory_carries_it_across_held_out_streams(tmp_path, shared_tokenizer):
   """train.eval_memory: the eval batches are contiguous held-out streams laid out as in training
   (row r of batch k+1 starts reuse_len tokens after row r of batch k, reversed rows included with

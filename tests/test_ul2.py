@@ -278,6 +278,7 @@ def train_losses(workdir):
   return records
 
 
+@pytest.mark.slow  # long: make test-slow runs it
 def test_ul2_tiny_trains_end_to_end(tmp_path, shared_tokenizer):
   """configs/ul2_tiny.py as it is (encoder-decoder, the default seven denoisers) through tfx.train.run."""
   from tfx import train
@@ -286,6 +287,7 @@ def test_ul2_tiny_trains_end_to_end(tmp_path, shared_tokenizer):
   train_losses(str(tmp_path / "run"))
 
 
+@pytest.mark.slow  # long: make test-slow runs it
 def test_decoder_layout_trains_and_resumes_exactly(tmp_path, shared_tokenizer):
   """The decoder (prefix-LM) layout through tfx.train.run; 4 steps in one go equal 2 + stop +
   resume 2, bitwise (metrics and parameters), with dropout on and denoisers drawn from the step's

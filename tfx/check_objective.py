@@ -15,7 +15,11 @@ synthetic batch of packed documents, on the CPU:
   reported too. Perturbation rather than Jacobians: the objectives' inputs are integer ids built by
   integer ops (masks, gathers, sentinels), which have no gradient, and an exact comparison of the
   logits catches a dependency of any size. The check fails as vacuous if no prediction depends on
-  any token.
+  any token. It runs under several keys (a leak may show in some rows for some keys only), and
+  special tokens (EOS) are replaced too, compared where the masks did not move.
+- the loss is what was checked: loss(train=False) equals `Objective.loss_from_predictions` of the
+  predictions (by default their weighted cross entropy), and loss(train=True) equals
+  loss(train=False) with dropout off, unless `Objective.train_differs` says why not;
 - padding: filling every padding position (segment 0) with random ids changes neither the loss nor
   the gradients (bitwise), and padding rows make no prediction;
 - the loss jit-compiles with static shapes and no host callback; the same key gives the same loss
@@ -49,7 +53,8 @@ from tfx.errors import UserError  # noqa: E402
 from tfx.objectives.base import Objective, Predictions, SpecialIds, family_matches, placeholder_ids  # noqa: E402
 
 VOCAB = 512
-BATCH = 4  # rows: three with packed documents, the last half padding
+BATCH = 4  # rows: packed documents, one document cut at the row end, half a row of padding (synthetic_batch)
+FLOW_KEYS = (7, 8, 9)  # the information-flow check runs under each: a leak may show for some keys only
 CALLBACKS = ("callback", "outside_call", "host_call")
 
 
@@ -100,19 +105,22 @@ def _special(ids: SpecialIds) -> set[int]:
 
 
 def synthetic_batch(ids: SpecialIds, raw_length: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-  """[BATCH, raw_length] rows of packed documents (each ending in EOS): rows 0-2 full with 2-3
-  documents, row 3 half full then padding; `segment_ids` (0 = padding) and `positions`."""
+  """[BATCH, raw_length] rows as the packer makes them: row 0 full with 2 documents and row 2 with
+  3, each ending in EOS; row 1 one document filling the row and cut at its end (no EOS, as the
+  packer leaves a document longer than a row: its first and last tokens are ordinary); row 3 half
+  full with 2 documents, then padding. `segment_ids` (0 = padding) and `positions`."""
   ordinary = np.array(sorted(set(range(ids.vocab_size)) - _special(ids)), np.int32)
   tokens = np.full((BATCH, raw_length), ids.pad, np.int32)
   segments = np.zeros((BATCH, raw_length), np.int32)
   positions = np.zeros((BATCH, raw_length), np.int32)
-  for row in range(BATCH):
-    end = raw_length if row < BATCH - 1 else raw_length // 2
-    cuts = sorted(rng.choice(np.arange(4, end - 3), size=min(2, max(end - 7, 0)), replace=False).tolist())
-    bounds = [0, *cuts[: 1 + row % 2], end]
+  for row, (documents, end) in enumerate([(2, raw_length), (1, raw_length), (3, raw_length),
+                                          (2, raw_length // 2)][:BATCH]):
+    cuts = sorted(rng.choice(np.arange(4, end - 3), size=min(documents - 1, max(end - 7, 0)), replace=False).tolist())
+    bounds = [0, *cuts, end]
     for doc, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]), start=1):
       tokens[row, a:b] = rng.choice(ordinary, size=b - a)
-      tokens[row, b - 1] = ids.eos
+      if documents > 1:
+        tokens[row, b - 1] = ids.eos
       segments[row, a:b] = doc
       positions[row, a:b] = np.arange(b - a)
   return {"tokens": tokens, "segment_ids": segments, "positions": positions}
@@ -233,54 +241,101 @@ def _mask_fields(p: Predictions) -> list:
 
 
 def check_information_flow(s: Setup, predict: Callable) -> list[Result]:
-  """Perturb each raw token; report predictions that depend on what they may not see."""
+  """Perturb each raw token, under each of FLOW_KEYS; report predictions that depend on what they
+  may not see. An ordinary token is replaced by one of the same word-start flag (the masks stay
+  put); a special one (an EOS) by any ordinary id, compared only where the masks did not move."""
   fam = s.config.model.family
-  key = jax.random.key(7)
-  base = jax.device_get(predict(s.params, s.batch, key))
   tokens, segments = s.batch["tokens"], s.batch["segment_ids"]
-  b, raw = tokens.shape
-  logits = np.asarray(base.logits)
-  weights = np.asarray(base.weights) > 0  # [b, n]
-  source = np.asarray(base.source)  # [b, n]
-  sees_self = np.zeros_like(weights) if base.sees_self is None else np.asarray(base.sees_self)
-  visible = None if base.visible is None else np.asarray(base.visible)  # [b, n, b * raw]
+  raw = tokens.shape[1]
   ordinary = np.array(sorted(set(range(VOCAB)) - _special(s.ids)))
   rng = np.random.default_rng(11)
   flat_segment = segments.reshape(-1)
   findings = {"own token": None, "hidden token": None, "other document": None}
   counts = {k: 0 for k in findings}
-  dependencies = 0
-  for q in np.flatnonzero((flat_segment > 0) & np.isin(tokens.reshape(-1), ordinary)):
-    row, col = divmod(int(q), raw)
-    old = tokens[row, col]
-    pool = ordinary[(s.word_start[ordinary] == s.word_start[old]) & (ordinary != old)]
-    perturbed = dict(s.batch, tokens=tokens.copy())
-    perturbed["tokens"][row, col] = rng.choice(pool)
-    changed = np.any(np.asarray(jax.device_get(predict(s.params, perturbed, key).logits)) != logits, axis=-1)
-    changed &= weights  # [b, n]
-    dependencies += int(changed.sum())
-    for r, m in zip(*np.nonzero(changed)):
-      src = int(source[r, m])
-      if src == q:
-        kind = None if sees_self[r, m] else "own token"
-      elif visible is not None:
-        kind = None if visible[r, m, q] else ("other document" if _other_doc(src, q, r, raw, flat_segment)
-                                               else "hidden token")
-      else:
-        kind = "other document" if src < 0 or _other_doc(src, q, r, raw, flat_segment) else None
-      if kind:
-        counts[kind] += 1
-        if findings[kind] is None:
-          findings[kind] = (f"row {r} slot {m} (predicts raw position {_where(src, raw)}) changes with raw position "
-                            f"{_where(int(q), raw)}")
+  dependencies = checked = moved = 0
+  for seed in FLOW_KEYS:
+    key = jax.random.key(seed)
+    base = jax.device_get(predict(s.params, s.batch, key))
+    logits = np.asarray(base.logits)
+    weights = np.asarray(base.weights) > 0  # [b, n]
+    source = np.asarray(base.source)  # [b, n]
+    sees_self = np.zeros_like(weights) if base.sees_self is None else np.asarray(base.sees_self)
+    visible = None if base.visible is None else np.asarray(base.visible)  # [b, n, b * raw]
+    checked += int(weights.sum())
+    for q in np.flatnonzero(flat_segment > 0):
+      row, col = divmod(int(q), raw)
+      old = tokens[row, col]
+      special = old not in ordinary
+      pool = ordinary[ordinary != old] if special else ordinary[(s.word_start[ordinary] == s.word_start[old])
+                                                                   & (ordinary != old)]
+      perturbed = dict(s.batch, tokens=tokens.copy())
+      perturbed["tokens"][row, col] = rng.choice(pool)
+      out = jax.device_get(predict(s.params, perturbed, key))
+      if special and not _same_layout(base, out):
+        moved += 1  # the special token shaped the masks (a document or sentence end): not comparable
+        continue
+      changed = np.any(np.asarray(out.logits) != logits, axis=-1) & weights  # [b, n]
+      dependencies += int(changed.sum())
+      for r, m in zip(*np.nonzero(changed)):
+        src = int(source[r, m])
+        if src == q:
+          kind = None if sees_self[r, m] else "own token"
+        elif visible is not None:
+          kind = None if visible[r, m, q] else ("other document" if _other_doc(src, q, r, raw, flat_segment)
+                                                 else "hidden token")
+        else:
+          kind = "other document" if src < 0 or _other_doc(src, q, r, raw, flat_segment) else None
+        if kind:
+          counts[kind] += 1
+          if findings[kind] is None:
+            findings[kind] = (f"row {r} slot {m} (predicts raw position {_where(src, raw)}) changes with raw "
+                              f"position {_where(int(q), raw)} under key {seed}")
   names = {"own token": "target hidden from its own prediction",
            "hidden token": "no hidden token seen (order, later targets)",
            "other document": "no prediction crosses a document"}
+  skipped = f"; {moved} special-token changes moved the masks (not compared)" if moved else ""
   out = [Result(fam, names[k], counts[k] == 0, f"{counts[k]} dependencies; first: {findings[k]}" if counts[k] else
-                f"{int(weights.sum())} predictions checked") for k in names]
+                f"{checked} predictions checked under {len(FLOW_KEYS)} keys{skipped}") for k in names]
   out.append(Result(fam, "predictions depend on the input", dependencies > 0,
                     f"{dependencies} (prediction, token) dependencies found" if dependencies else
                     "no prediction changed with any token: the information-flow checks above are vacuous"))
+  return out
+
+
+def _same_layout(a: Predictions, b: Predictions) -> bool:
+  """Whether two predictions select the same slots from the same raw positions with the same visibility."""
+  pairs = [(a.weights, b.weights), (a.source, b.source), (a.sees_self, b.sees_self), (a.visible, b.visible)]
+  return all((x is None) == (y is None) and (x is None or np.array_equal(np.asarray(x), np.asarray(y)))
+             for x, y in pairs)
+
+
+def check_loss_is_predictions(s: Setup, predict: Callable) -> list[Result]:
+  """The loss trains on what `predictions` shows: loss(train=False) equals the objective's
+  `loss_from_predictions` of the predictions under the same key, and (dropout being off)
+  loss(train=True) equals loss(train=False), unless the objective says why not (`train_differs`)."""
+  fam = s.config.model.family
+  kwargs = {k: v for k, v in _extra(s).items() if k != "state"}  # predictions run from no state
+  key = jax.random.key(8)
+  losses = {train: float(jax.jit(lambda p, b, k, train=train: s.objective.loss(
+      s.model, p, b, k, train=train, **kwargs)[0])(s.params, s.batch, key)) for train in (False, True)}
+  expected = s.objective.loss_from_predictions(jax.device_get(predict(s.params, s.batch, key)))
+  close = lambda a, b: abs(a - b) <= 1e-5 * max(abs(b), 1.0)
+  if expected is None:
+    out = [Result(fam, "loss computed from predictions()", None, "the objective's loss has other terms "
+                  "(loss_from_predictions returns None)")]
+  else:
+    ok = close(losses[False], float(expected))
+    out = [Result(fam, "loss computed from predictions()", ok, f"{losses[False]:.7g} vs {float(expected):.7g}" + (
+        "" if ok else ": loss(train=False) is not computed from what predictions() shows, so the leak checks "
+        "above did not see what trains"))]
+  reason = s.objective.train_differs()
+  ok = close(losses[True], losses[False])
+  if reason and not ok:
+    out.append(Result(fam, "train loss = eval loss (no dropout)", None, reason))
+  else:
+    out.append(Result(fam, "train loss = eval loss (no dropout)", ok, f"{losses[True]:.7g} vs {losses[False]:.7g}"
+                      + ("" if ok else ": loss(train=True) computes something else than the eval path that "
+                         "predictions() shows; if that is by design, say why in train_differs()")))
   return out
 
 
@@ -362,6 +417,9 @@ def check_mesh(config: ml_collections.ConfigDict, family: str, seed: int) -> Res
 def check(config: ml_collections.ConfigDict, families: tuple[str, ...] = (), seed: int = 0) -> list[Result]:
   """Every check for every family the objective drives (or `families`)."""
   cls = config_lib.objective_class(config.objective.name)
+  if not cls.families:
+    raise UserError(f"objective {config.objective.name!r} declares no model families (`families = (...)`), "
+                    "so nothing can be checked")
   families = families or tuple(cls.families)
   for family in families:
     if not family_matches(family, cls.families):
@@ -378,6 +436,9 @@ def check(config: ml_collections.ConfigDict, families: tuple[str, ...] = (), see
       results += _check_family(config, cls, family, seed)
     except Exception as e:  # noqa: BLE001 — a user's objective that crashes is a finding, not a traceback
       results.append(Result(family, "checker ran", False, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"))
+  if all(r.check == "config for this family" for r in results):
+    results.append(Result(",".join(families), "some family checked", False, "no family the objective drives could "
+                          "be built from this config (see the rows above): nothing was checked"))
   return results
 
 
@@ -389,7 +450,8 @@ def _check_family(config, cls, family: str, seed: int) -> list[Result]:
   frozen = {"frozen": s.frozen} if s.objective.frozen_inputs else {}
   predict = jax.jit(lambda p, b, k: s.objective.predictions(s.model, p, b, k, **frozen))
   return [*check_compiles(s), *check_keys_and_initial_loss(s, predict), *check_information_flow(s, predict),
-          *check_padding(s, predict), *check_relative_distance(s), check_mesh(config, family, seed)]
+          *check_loss_is_predictions(s, predict), *check_padding(s, predict), *check_relative_distance(s),
+          check_mesh(config, family, seed)]
 
 
 def table(results: list[Result]) -> str:

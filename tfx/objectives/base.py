@@ -252,6 +252,21 @@ class Objective:
     raise NotImplementedError(f"{type(self).__name__} does not implement predictions(), which "
                               "tfx.check_objective needs to check what it predicts from what")
 
+  def loss_from_predictions(self, predictions: Predictions) -> jax.Array | None:
+    """The loss of `loss(..., train=False)` (no objective state) computed from `predictions`
+    alone: by default the weighted mean cross entropy of their logits at their targets, plus the
+    z-loss. `tfx.check_objective` requires the two to agree, so that the predictions it checks
+    for leaks are the ones the loss trains on. An objective whose loss has other terms returns
+    its own formula, or None (the check is skipped and says so)."""
+    return ops.weighted_cross_entropy(predictions.logits, predictions.targets, predictions.weights,
+                                      z_loss=self.z_loss)[0]
+
+  def train_differs(self) -> str:
+    """Why `loss(..., train=True)` may differ from `loss(..., train=False)` with dropout off
+    ("" = it may not: `tfx.check_objective` then requires them equal, since `predictions` shows
+    the eval path)."""
+    return ""
+
   def initial_loss(self, vocab_size: int) -> float:
     """The loss expected from a random model (near-uniform logits): ln(vocabulary)."""
     return math.log(vocab_size)

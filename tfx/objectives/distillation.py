@@ -188,6 +188,10 @@ class Distillation(MaskedLM):
     return Predictions(s, targets, real.astype(jnp.float32), flat_positions(batch["segment_ids"]),
                        sees_self=(weights == 0) | kept)
 
+  def loss_from_predictions(self, predictions: Predictions) -> None:
+    """None: the soft and cosine terms read the teacher, which predictions do not carry."""
+    return None
+
   def initial_loss(self, vocab_size: int) -> float:
     """Random student and teacher: both softmaxes near uniform (ln v for the soft and MLM terms) and
     unrelated hidden states (cosine near 0)."""

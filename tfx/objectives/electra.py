@@ -222,6 +222,15 @@ class Electra(Objective):
         source=jnp.concatenate([source, source], axis=1),
         sees_self=jnp.concatenate([out["kept"], ~selected | out["kept"]], axis=1))
 
+  def loss_from_predictions(self, predictions: Predictions) -> jax.Array:
+    """The generator's cross entropy over slots [0, t) plus λ times the discriminator's binary
+    cross entropy over slots [t, 2t) (logit in column 0, target 1 = replaced)."""
+    p, t = predictions, predictions.logits.shape[1] // 2
+    mlm, _ = ops.weighted_cross_entropy(p.logits[:, :t], p.targets[:, :t], p.weights[:, :t], z_loss=self.z_loss)
+    real = p.weights[:, t:]  # [b, t]
+    bce = optax.sigmoid_binary_cross_entropy(p.logits[:, t:, 0], p.targets[:, t:].astype(jnp.float32))
+    return mlm + self.rtd_weight * jnp.sum(bce * real) / jnp.maximum(jnp.sum(real), 1.0)
+
   def initial_loss(self, vocab_size: int) -> float:
     """ln(vocabulary) for the generator plus λ ln 2 for the discriminator's coin flips."""
     return super().initial_loss(vocab_size) + self.rtd_weight * math.log(2.0)

@@ -217,6 +217,9 @@ class PermutationLM(Objective):
     """(num_predict, reuse_len, perm_size) for model rows of `seq_len` tokens."""
     return resolve_lengths(seq_len, self.num_predict, self.reuse_len, self.perm_size)
 
+  def train_differs(self) -> str:
+    return "bi_data: in training the second half of the batch reads its distances reversed" if self.bi_data else ""
+
   def train_flops_per_row(self, model_cfg, seq_len: int) -> float:
     """Content stream over the row (plus memory), query stream over num_predict slots; the xlnet
     family projects its relative encodings per row only with bi_data (signed per row)."""

@@ -176,6 +176,15 @@ class SentencePrediction(MaskedLM):
         sees_self=jnp.concatenate([kept, jnp.zeros((b, 1), bool)], axis=1),
         visible=jnp.broadcast_to(in_row[:, None, :], (b, t + 1, n_raw)))
 
+  def loss_from_predictions(self, predictions: Predictions) -> jax.Array:
+    """The MLM slots' cross entropy plus sentence_weight times the sentence slot's (its logits in
+    columns 0 and 1), averaged over the rows with text."""
+    p = predictions
+    mlm, _ = ops.weighted_cross_entropy(p.logits[:, :-1], p.targets[:, :-1], p.weights[:, :-1], z_loss=self.z_loss)
+    rows = p.weights[:, -1]  # [b]
+    ce = optax.softmax_cross_entropy_with_integer_labels(p.logits[:, -1, :2].astype(jnp.float32), p.targets[:, -1])
+    return mlm + self.sentence_weight * jnp.sum(ce * rows) / jnp.maximum(jnp.sum(rows), 1.0)
+
   def initial_loss(self, vocab_size: int) -> float:
     """ln(vocabulary) for the MLM plus sentence_weight * ln 2 for the pair classifier."""
     return math.log(vocab_size) + self.sentence_weight * math.log(2.0)
