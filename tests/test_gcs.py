@@ -123,3 +123,18 @@ def test_bench_writes_its_json_to_gcs(gcs):
   out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env={**os.environ, **gcs})
   assert out.stdout.strip() == "causal_lm", out.stderr[-2000:]
+
+
+def test_a_step_written_in_place_but_not_committed_is_not_a_checkpoint(gcs):
+  """On gs:// orbax writes a step under its final name and commits it with commit_success.txt: a
+  step a crash cut short is left out of checkpoint.steps (not restored, nor set aside as damaged)."""
+  code = ("from etils import epath; from tfx import checkpoint\n"
+          "root = epath.Path('gs://tfx-test/uncommitted/checkpoints')\n"
+          "for step in ('4', '8'):\n"
+          "  (root / step / 'state').mkdir(parents=True, exist_ok=True)\n"
+          "  (root / step / 'state' / 'x').write_text('x')\n"
+          "(root / '4' / 'commit_success.txt').write_text('ok')\n"
+          "print(sorted(checkpoint.steps('gs://tfx-test/uncommitted')))\n")
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, **gcs})
+  assert out.stdout.strip() == "[4]", out.stderr[-2000:]

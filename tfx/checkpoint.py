@@ -195,11 +195,14 @@ def verify(step_dir: epath.Path) -> tuple[str, str, dict]:
 
 
 def steps(workdir) -> dict[int, epath.Path]:
-  """{step: directory} of the committed steps (orbax's temporary directories are left out)."""
+  """{step: directory} of the committed steps. Orbax's temporary directories are left out, and so
+  is a step directory orbax has not finalized: on gs:// a step is written in place and committed by
+  its commit_success.txt, so one cut short by a crash has its final name but is not a checkpoint."""
   directory = checkpoint_dir(workdir)
   if not directory.exists():
     return {}
-  return {int(p.name): p for p in directory.iterdir() if p.name.isdigit() and p.is_dir()}
+  return {int(p.name): p for p in directory.iterdir()
+          if p.name.isdigit() and p.is_dir() and ocp.path.step.is_path_finalized(p)}
 
 
 def set_aside(workdir, step: int, why: str) -> epath.Path:
