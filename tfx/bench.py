@@ -252,6 +252,11 @@ def format_table(r: dict[str, Any]) -> str:
   return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def mib(size: int | None, digits: int) -> str:
+  """Bytes as MiB, or n/a where the backend reports no memory analysis."""
+  return "n/a" if size is None else f"{size / 2**20:.{digits}f}"
+
+
 def sweep(config_path: str, overrides: list[str], key: str, values: list[str], *, steps: int, warmup: int
           ) -> list[dict[str, Any]]:
   """`benchmark` once per value of one config field (e.g. model.remat), the rest unchanged."""
@@ -269,7 +274,7 @@ def format_sweep(results: list[dict[str, Any]]) -> str:
   for r in results:
     peak = r["peak_memory_bytes"]
     rows.append((str(r["sweep_value"]), f"{r['compile_s']:.2f}", f"{1e3 * r['step_s']:.1f}",
-                 f"{r['tokens_per_s']:,.0f}", f"{r['temp_memory_bytes'] / 2**20:.1f}",
+                 f"{r['tokens_per_s']:,.0f}", mib(r["temp_memory_bytes"], 1),
                  f"{peak / 2**20:.1f}" if peak is not None else "n/a"))
   widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
   return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))

@@ -220,13 +220,15 @@ def run_suite(root: str, *, tiny: bool, steps: int, warmup: int, batch_per_devic
 
 def format_suite(out: dict[str, Any]) -> str:
   """The suite's table, then GPT-2's compile time by depth."""
+  from tfx import bench
+
   rows = [("model", "batch x row", "step ms", "tokens/s", "MFU", "peak mem GiB", "temp MiB", "compile s",
            "objective ms", "objective share", "attention")]
   for r in out["models"]:
     peak = r["peak_memory_bytes"]
     rows.append((r["name"], f"{r['batch_size']} x {r['row_length']}", f"{1e3 * r['step_s']:.1f}",
                  f"{r['tokens_per_s']:,.0f}", f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a",
-                 f"{peak / 2**30:.2f}" if peak is not None else "n/a", f"{r['temp_memory_bytes'] / 2**20:.0f}",
+                 f"{peak / 2**30:.2f}" if peak is not None else "n/a", bench.mib(r["temp_memory_bytes"], 0),
                  f"{r['compile_s']:.1f}", f"{r['transform_ms']:.2f}", f"{100 * r['transform_share']:.1f}%",
                  r["attention"]))
   widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
