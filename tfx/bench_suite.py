@@ -143,6 +143,8 @@ def _abstract_step(config):
 
 def compile_seconds(config) -> float:
   """Lower + compile of the train step of `config` (abstract state; nothing runs)."""
+  from tfx import bench
+
   exp, jitted, args = _abstract_step(config)
   with parallel.context(exp.mesh), bench.no_compilation_cache():
     start = time.perf_counter()
