@@ -270,6 +270,30 @@ def test_too_small_vocab_is_a_clear_error(small_corpus):
     Tokenizer.train(["tiny corpus"], 5000, None)
 
 
+def test_documents_of_one_long_line_train_the_tokenizer():
+  """JSON-lines paragraphs and text without newlines are one line each: lines longer than
+  SentencePiece's default sentence limit (4192 bytes, dropped silently) are cut into pieces, so
+  their words are learned and a corpus of only such lines trains."""
+  words = ["habitat", "forest", "river", "mountain", "valley", "meadow", "glacier", "canyon"]
+  rng = np.random.default_rng(0)
+  documents = [" ".join(rng.choice(words, size=900)) for _ in range(60)]  # ~6.5 kB, no newline
+  assert min(len(d.encode()) for d in documents) > 4192
+  tokenizer = Tokenizer.train(documents, 400, None)
+  assert tokenizer.encode(["habitat"])[0].size == 1  # the word is one learned piece
+
+
+def test_the_tokenizer_sample_spans_a_multibyte_corpus():
+  """The stride over documents counts UTF-8 bytes like the budget does: with CJK text first and
+  English after, both are sampled (a stride in characters ran out of bytes before the English)."""
+  from tfx.data.tokenizer import _training_lines
+
+  chinese = ["语言模型的训练数据" * 50] * 100  # 1350 bytes each
+  english = ["language model training data " * 15] * 100  # 450 bytes each
+  sample = list(_training_lines(chinese + english, max_bytes=100_000))
+  assert sum(line.startswith("language") for line in sample) >= 40
+  assert sum(len(line.encode()) for line in sample) <= 100_000
+
+
 def test_load_missing_file_is_a_clear_error(tmp_path):
   with pytest.raises(FileNotFoundError, match="data.tokenizer"):
     Tokenizer.load(str(tmp_path / "missing.model"))

@@ -143,6 +143,24 @@ def test_encode_decode_basics(bert_dir):
   assert tok.decode(np.concatenate([[tok.cls_id], ids, [tok.sep_id, tok.pad_id]])) == tok.decode(ids)  # specials skipped
   assert tok.id_to_piece(tok.mask_id) == "[MASK]" and tok.piece_to_id("[MASK]") == tok.mask_id
   assert tok.piece_to_id("no such token") is None
+
+
+def test_sentinels_survive_decode_as_with_sentencepiece(tmp_path):
+  """A T5-style tokenizer.json (its <extra_id_k> are special added tokens): decode keeps the
+  sentinels (a span-corruption target reads as its spans) and drops only pad and eos."""
+  from tokenizers import decoders, trainers
+
+  rust = RustTokenizer(models.Unigram())
+  rust.pre_tokenizer, rust.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+  rust.train_from_iterator(V.CORPUS, trainers.UnigramTrainer(vocab_size=300, special_tokens=["<pad>", "</s>", "<unk>"],
+                                                             unk_token="<unk>", show_progress=False))
+  rust.add_special_tokens([AddedToken(f"<extra_id_{k}>", special=True) for k in range(99, -1, -1)])
+  rust.save(str(tmp_path / "tokenizer.json"))
+  tok = load_tokenizer(str(tmp_path))
+  text = "the model <extra_id_0> every piece <extra_id_1> evaluation"
+  ids = tok.encode([text])[0]
+  assert {tok.sentinel_ids[0], tok.sentinel_ids[1]} <= set(ids.tolist())
+  assert tok.decode(np.concatenate([ids, [tok.eos_id, tok.pad_id]])) == text
   with pytest.raises(IndexError):
     tok.id_to_piece(tok.vocab_size)
 

@@ -292,6 +292,20 @@ def test_bad_jsonl_line_is_refused_with_file_and_line(tmp_path):
             progress=False)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "not_gzip"])
+def test_a_damaged_gzip_file_is_named(tmp_path, damage):
+  """A cut-off download or a plain file with a .gz suffix: one ValueError naming the file, not an
+  EOFError without a path or a store error blaming the disk."""
+  import gzip
+  path = tmp_path / "c.jsonl.gz"
+  lines = "".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(200)).encode()
+  packed = gzip.compress(lines)
+  path.write_bytes(packed[:len(packed) // 2] if damage == "truncated" else lines)
+  with pytest.raises(ValueError, match=r"c\.jsonl\.gz: damaged or not gzip-compressed"):
+    prepare(data_config(f"text:{path}", tokenizer_sample_bytes=10_000, vocab_size=400), str(tmp_path / "s"),
+            progress=False)
+
+
 def test_corpus_changes_name_what_changed():
   base = {"checksum": "a" * 64, "sources": [{"spec": "stdlib"}], "tokenizer_sha256": "b" * 64, "vocab_size": 1000,
           "documents": 10, "train_tokens": 100}

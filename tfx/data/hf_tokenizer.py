@@ -198,13 +198,16 @@ class HFTokenizer:
     return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
 
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-    """Decodes one sequence of ids (``[num_tokens]``); special tokens and padding ids are skipped."""
+    """Decodes one sequence of ids (``[num_tokens]``). The role tokens but unk (pad, eos, bos, mask,
+    cls, sep) and padding ids are skipped, as SentencePiece skips its control symbols; every other
+    token is kept, sentinels (T5's ``<extra_id_k>``, special tokens to ``tokenizers``) included."""
     ids = np.asarray(ids)
     if ids.ndim != 1:
       raise ValueError(f"HFTokenizer.decode takes one sequence [num_tokens], got shape {ids.shape}; decode rows "
                        f"one at a time")
-    kept = [int(i) for i in ids if 0 <= int(i) < self._num_ids]
-    return self._tok.decode(kept, skip_special_tokens=True)
+    roles = {i for role, i in self._ids.items() if role != "unk"}
+    kept = [int(i) for i in ids if 0 <= int(i) < self._num_ids and int(i) not in roles]
+    return self._tok.decode(kept, skip_special_tokens=False)
 
   def id_to_piece(self, i: int) -> str:
     """The token (string) of id ``i``; ``""`` for a padding id the tokenizer never produces."""

@@ -30,7 +30,8 @@ from etils import epath
 
 from tfx.data import sources, store
 from tfx.data.packing import document_hashes, heldout_by_hash
-from tfx.data.tokenizer import AnyTokenizer, Tokenizer, load_tokenizer, sample_lines, saved_tokenizer, tokenizer_from_bytes
+from tfx.data.tokenizer import (AnyTokenizer, Tokenizer, load_tokenizer, sample_lines, saved_tokenizer, tokenizer_from_bytes,
+                                utf8_bytes)
 
 PREPARED = "prepared:"
 PREPARING = "prepare.json"  # what an unfinished prepare was asked for; removed once the manifest is written
@@ -197,7 +198,7 @@ def resolve_tokenizer(data_cfg, directory: epath.Path, spec: Spec, *, seed: int 
       total = 0
     else:  # a counting pass, so the sample is spread over the whole corpus
       skipped: collections.Counter = collections.Counter()
-      total = sum(len(t) for _, t in _limited(
+      total = sum(utf8_bytes(t) for _, t in _limited(
           sources.iter_documents(spec.source, text_field=spec.text_field, skipped=skipped), spec.max_documents))
       if not total:  # before SentencePiece fails on an empty sample with a message of its own
         raise _no_documents(spec, skipped)

@@ -23,6 +23,7 @@ import gzip
 import json
 import os
 import sysconfig
+import zlib
 from typing import Iterable, Iterator
 
 ACCEPTED_FORMS = ("'stdlib', 'text:GLOB' (e.g. 'text:data/**/*.txt'), 'hf:NAME[:CONFIG]', or 'prepared:DIR' (a "
@@ -222,7 +223,17 @@ def _read_glob_files(paths: list[str], text_field: str,
 
 def _read_json_lines(path: str, text_field: str,
                      skipped: collections.Counter) -> Iterator[tuple[str, str]]:
-  """Yields ``(PATH:LINE, text)`` for each record of a JSON-lines file, one line at a time."""
+  """Yields ``(PATH:LINE, text)`` for each record of a JSON-lines file, one line at a time; a
+  damaged ``.gz`` is a ValueError naming the file (not an EOFError, nor an OSError that reads as
+  a full disk)."""
+  try:
+    yield from _json_records(path, text_field, skipped)
+  except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+    raise ValueError(f"{path}: damaged or not gzip-compressed ({type(e).__name__}: {e}); download it again, or "
+                     f"decompress it and drop the .gz suffix") from None
+
+
+def _json_records(path: str, text_field: str, skipped: collections.Counter) -> Iterator[tuple[str, str]]:
   opener = gzip.open if path.lower().endswith(".gz") else open
   with opener(path, "rb") as f:
     for line_number, raw in enumerate(f, start=1):

@@ -443,6 +443,7 @@ def _trainer_options(vocab_size: int) -> dict:
       shuffle_input_sentence=False,
       input_sentence_size=0,
       train_extremely_large_corpus=False,
+      max_sentence_length=MAX_LINE_BYTES,  # its default (4192) drops longer lines silently
       minloglevel=2,
   )
 
@@ -451,19 +452,38 @@ def _training_lines(documents: list[str], max_bytes: int) -> Iterator[str]:
   """Yields the non-empty lines of a deterministic, about ``max_bytes`` sample."""
   if max_bytes <= 0:
     raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
-  total = sum(len(d) for d in documents)  # Characters: a cheap proxy for bytes.
-  return sample_lines(documents, total, max_bytes)
+  return sample_lines(documents, sum(utf8_bytes(d) for d in documents), max_bytes)
 
 
-def sample_lines(documents: Iterable[str], total_chars: int, max_bytes: int) -> Iterator[str]:
-  """The tokenizer's training sample from a stream of documents (of ``total_chars`` characters).
+def utf8_bytes(text: str) -> int:
+  """Bytes of `text` in UTF-8 (what the sample's budget counts)."""
+  return len(text.encode("utf-8"))
 
-  Every k-th document, ``k = ceil(total_chars / max_bytes)``, split into its non-empty lines,
-  until ``max_bytes`` of UTF-8 are taken. A stream gives the same lines as the whole list.
+
+MAX_LINE_BYTES = 1 << 16  # the trainer's longest sentence; sample lines are cut well below it
+_CHUNK_CHARS = 4096  # at most 16 KiB of UTF-8
+
+
+def _chunks(line: str) -> Iterator[str]:
+  """`line` in pieces of at most _CHUNK_CHARS characters, cut after a space where there is one
+  (JSON-lines paragraphs, minified code and text without newlines have lines of any length)."""
+  while len(line) > _CHUNK_CHARS:
+    cut = line.rfind(" ", 0, _CHUNK_CHARS) + 1 or _CHUNK_CHARS
+    yield line[:cut]
+    line = line[cut:]
+  yield line
+
+
+def sample_lines(documents: Iterable[str], total_bytes: int, max_bytes: int) -> Iterator[str]:
+  """The tokenizer's training sample from a stream of documents (of ``total_bytes`` of UTF-8).
+
+  Every k-th document, ``k = ceil(total_bytes / max_bytes)``, split into its non-empty lines (a
+  line longer than 4096 characters into pieces), until ``max_bytes`` are taken. A stream gives
+  the same lines as the whole list.
   """
   if max_bytes <= 0:
     raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
-  stride = max(1, -(-total_chars // max_bytes))
+  stride = max(1, -(-total_bytes // max_bytes))
   used = 0
   for index, document in enumerate(documents):
     if index % stride:
@@ -471,16 +491,19 @@ def sample_lines(documents: Iterable[str], total_chars: int, max_bytes: int) -> 
     for line in document.split(NEWLINE):
       if not line.strip():
         continue
-      used += len(line.encode("utf-8"))
-      if used > max_bytes:
-        return
-      yield line
+      for piece in _chunks(line):
+        used += utf8_bytes(piece)
+        if used > max_bytes:
+          return
+        yield piece
 
 
 def _explain_trainer_error(error: RuntimeError, vocab_size: int) -> str:
   message = str(error)
   if "Vocabulary size is smaller than required_chars" in message or "smaller than" in message:
     hint = "increase data.vocab_size"
+  elif "sentences_.empty()" in message:
+    hint = "the sample has no text to learn from: check data.source and data.text_field"
   elif "Vocabulary size too high" in message:
     hint = ("decrease data.vocab_size (the corpus is too small to learn that many pieces) or "
             "use a larger data.source")
