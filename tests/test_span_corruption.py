@@ -187,6 +187,20 @@ def test_reconstruction_with_padding_and_many_rows():
   assert checked >= 200
 
 
+def test_a_row_of_padding_predicts_nothing():
+  """A short held-out split fills eval batches with rows of padding: such a row has no input and
+  no target (not an EOS that would count in the loss and accuracy); the other rows are unchanged."""
+  rng = np.random.default_rng(2)
+  tokens, seg = random_rows(rng, 3, 60, pad_rows=0)
+  full = span_corrupt(tokens, seg, jax.random.key(0), ids=DESCENDING)
+  seg[1] = 0
+  out = span_corrupt(tokens, seg, jax.random.key(0), ids=DESCENDING)
+  assert not np.asarray(out["input_segment_ids"][1]).any() and not np.asarray(out["target_segment_ids"][1]).any()
+  assert (np.asarray(out["targets"][1]) == DESCENDING.pad).all()
+  for name in ("inputs", "input_segment_ids", "targets", "target_segment_ids"):
+    np.testing.assert_array_equal(np.asarray(out[name])[[0, 2]], np.asarray(full[name])[[0, 2]])
+
+
 def test_jittable_and_deterministic_per_rng():
   tokens, seg = random_rows(np.random.default_rng(2), 4, 141)
   f = jax.jit(lambda k: span_corrupt(tokens, seg, k, ids=DESCENDING))

@@ -1,8 +1,10 @@
 """T5 span corruption, OBJECTIVES.md §3.1.
 
 The raw row (length L) is one stream of tokens, as T5's `reduce_concat_tokens` concatenates
-documents without separators before `split_tokens`, so document boundaries inside a row are
-ignored. `random_spans_noise_mask` marks n = round(L·d) tokens as noise, in s = round(n/μ)
+documents before `split_tokens`, so document boundaries inside a row are ignored. One difference:
+tfx's pipeline ends every document with EOS, for every objective, and those EOS stay in the
+stream (as in Hugging Face's run_t5_mlm_flax, whose tokenizer appends </s> to each text); T5's
+own pipeline joins documents without separators. `random_spans_noise_mask` marks n = round(L·d) tokens as noise, in s = round(n/μ)
 spans alternating with s non-noise spans (the row starts with non-noise and ends with noise).
 
     raw       t0 t1 t2 t3 t4 t5 t6 t7 t8 t9          (L = 10, d = .15, μ = 3: n = 2, s = 1)
@@ -151,7 +153,8 @@ def corrupt_with_mask(
     inputs_length, targets_length: static output lengths (EOS included); must be large enough.
   Returns:
     dict of [b, inputs_length] `inputs`, `input_segment_ids` and [b, targets_length] `targets`,
-    `target_segment_ids` (int32; segment 1 on real tokens and EOS, 0 on padding), and [b, L]
+    `target_segment_ids` (int32; segment 1 on real tokens and EOS, 0 on padding and on every
+    position of a row without real tokens), and [b, L]
     `target_index`: the decoder slot of each raw noise token (targets_length for the others).
   """
   b, _ = tokens.shape
@@ -182,6 +185,9 @@ def corrupt_with_mask(
 
   inputs, input_segment_ids = finish(inputs, num_inputs, inputs_length)
   targets, target_segment_ids = finish(targets, num_targets, targets_length)
+  has_real = jnp.any(real, axis=1, keepdims=True)  # [b, 1]; a padding row (a short eval batch) predicts nothing
+  inputs, input_segment_ids = jnp.where(has_real, inputs, ids.pad), input_segment_ids * has_real
+  targets, target_segment_ids = jnp.where(has_real, targets, ids.pad), target_segment_ids * has_real
   return {"inputs": inputs, "input_segment_ids": input_segment_ids,
           "targets": targets, "target_segment_ids": target_segment_ids,
           "target_index": jnp.where(target_index < targets_length, target_index, targets_length).astype(jnp.int32)}
