@@ -165,3 +165,17 @@ def test_bars_with_errors_rejects_bad_input(tmp_path):
   with pytest.raises(ValueError, match="has no mean"):
     plots.bars_with_errors(["a"], [float("nan")], [None], [None], tmp_path / "x.png", "t", "y")
   assert not (tmp_path / "x.png").exists()
+
+
+def test_tokens_count_the_raw_row_as_sweeps_and_tokens_per_sec_do():
+  """A span-corruption row reads more raw tokens than its model positions (and XLNet's fewer):
+  compare's token count uses the objective's raw_length, the count tfx.sweep budgets with."""
+  from tfx import sweep
+  from tfx.config import load_config
+
+  for name in ("t5_tiny.py", "xlnet_tiny.py", "tiny.py"):
+    config = load_config(os.path.join(ROOT, "configs", name))
+    per_step, _ = sweep._per_step(config)
+    assert compare.row_tokens(json.loads(to_json(config))) * config.train.batch_size == per_step
+    if name != "tiny.py":
+      assert compare.row_tokens(json.loads(to_json(config))) != config.data.seq_len

@@ -465,11 +465,18 @@ def test_small_eval_split_is_padded_and_explained():
 
 
 def test_fewer_eval_batches_when_split_is_short():
+  """A held-out split shorter than eval_batches: every held-out row is evaluated exactly once, the
+  last batch filled with rows of padding (none dropped)."""
   docs = [np.arange(15, dtype=np.int32) + 1000 * (i + 1) for i in range(400)]
-  pipeline = make_pipeline(docs, eval_fraction=0.1, global_batch=4, eval_batches=1000)
-  n_rows = pipeline.stats["eval_tokens"] // 16 + 1
-  assert len(pipeline.eval_batches()) == n_rows // 4
-  assert "eval batches" in pipeline.eval_note
+  pipeline = make_pipeline(docs, eval_fraction=0.1, global_batch=3, eval_batches=1000)
+  n_rows = -(-pipeline.stats["eval_tokens"] // 16)
+  batches = pipeline.eval_batches()
+  assert len(batches) == -(-n_rows // 3) and n_rows % 3  # this split leaves a partial last batch
+  assert sum(int((b["segment_ids"] > 0).sum()) for b in batches) == pipeline.stats["eval_tokens"]
+  expected = np.concatenate([np.append(docs[i], EOS) for i in pipeline.eval_document_indices])
+  got = np.concatenate([b["tokens"][b["segment_ids"] > 0] for b in batches])
+  np.testing.assert_array_equal(got, expected)
+  assert "eval batches" in pipeline.eval_note and "all-padding rows" in pipeline.eval_note
 
 
 @pytest.mark.parametrize("process_count", [2, 4])

@@ -5,7 +5,8 @@
 
 Each RUN is a workdir of `python -m tfx.train` (local or gs://): its metrics.jsonl is read (and
 its config.json when there is one). The table has, per run: the last logged step (`/total` when
-the run has not reached train.steps), tokens = step x train.batch_size x data.seq_len, the
+the run has not reached train.steps), tokens = step x train.batch_size x the raw tokens a row
+reads (the objective's raw_length of data.seq_len, as perf/tokens_per_sec and tfx.sweep count), the
 parameter count of config.json's model (traced, nothing computed; embedding rows from the run's
 tokenizer, else data.vocab_size), the last train/loss, eval/loss and eval/accuracy, and the last
 value of --metric. Metric names are those of TensorBoard (tfx.metrics.scalar_name): train/loss,
@@ -125,6 +126,25 @@ def _count_params(config, vocab_size: int) -> int:
   return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
 
 
+def row_tokens(config: dict) -> int:
+  """Raw tokens one row of the run reads: its objective's raw_length of data.seq_len (T5's span
+  corruption reads 568 for 512 model positions); data.seq_len when the objective cannot be loaded
+  any more (a file that moved)."""
+  import ml_collections
+
+  from tfx.objectives.base import placeholder_ids
+  from tfx.registry import OBJECTIVES, load_builtins
+
+  seq_len = int(config["data"]["seq_len"])
+  try:
+    load_builtins()
+    c = ml_collections.ConfigDict(config)
+    objective = OBJECTIVES.get(c.objective.name).from_config(c.objective, placeholder_ids(int(c.data.vocab_size)))
+    return int(objective.raw_length(seq_len))
+  except (ValueError, KeyError, AttributeError, TypeError, ImportError, OSError):
+    return seq_len
+
+
 def summarize(path: str, label: str, records: list[dict], config: dict | None, *, params: bool = True) -> Run:
   """A `Run` from its records and config."""
   from tfx.metrics import metric_series
@@ -137,7 +157,7 @@ def summarize(path: str, label: str, records: list[dict], config: dict | None, *
     train, data = config.get("train", {}), config.get("data", {})
     run.total_steps = train.get("steps")
     if last is not None and train.get("batch_size") and data.get("seq_len"):
-      run.tokens = int(last) * int(train["batch_size"]) * int(data["seq_len"])
+      run.tokens = int(last) * int(train["batch_size"]) * row_tokens(config)
     if params:
       run.params = param_count(config, path)
   return run

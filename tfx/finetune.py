@@ -389,7 +389,9 @@ def run(config: ml_collections.ConfigDict | None, from_workdir: str | None, task
       values["tokens_per_sec"] = ft.batch_size * setup.length / sec_per_step if sec_per_step else None
       writer.write(step, "finetune", values)
       progress.train(step, values["loss"], values["tokens_per_sec"], sec_per_step)
+      last_time = time.time()  # writing the record is not training time
     if evaluated:
+      paused = time.time()  # the steps before it were read (finished) above
       scores = evaluate(state.params, "validation")
       book["evaluations"] += 1
       if book["best_score"] is None or sign * scores[ft.select_metric] > book["best_score"]:
@@ -401,7 +403,7 @@ def run(config: ml_collections.ConfigDict | None, from_workdir: str | None, task
       writer.write(step, "finetune_eval", dict(scores, best_step=book["best_step"]))
       progress.eval(step, scores["loss"], scores["accuracy"])
       book["stopped_early"] = bool(ft.patience and book["evals_since_best"] >= ft.patience)
-      last_time = time.time()  # evaluation time is not training throughput
+      last_time += time.time() - paused  # evaluation time is not training throughput (the steps before it are)
     book["done"] = step >= ft.steps or book["stopped_early"]
     stopping = bool(ft.stop_after and step - start_step >= ft.stop_after) or preempt.should_stop()
     if save_due or book["done"] or stopping:

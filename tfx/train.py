@@ -253,6 +253,8 @@ def _loop(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress: 
   train_step = make_train_step(exp, shardings)
   eval_step = make_eval_step(exp, shardings)
   eval_batches = exp.pipeline.eval_batches()
+  if t.eval_every and getattr(exp.pipeline, "eval_note", ""):
+    progress.note(f"eval: {exp.pipeline.eval_note}")
   tokens_per_step = t.batch_size * exp.pipeline.row_length
   model_flops = exp.objective.train_flops_per_row(exp.model.cfg, config.data.seq_len) * t.batch_size
   peak = flops.device_peak_flops()
@@ -298,8 +300,12 @@ def _loop(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress: 
       values["mfu"] = model_flops / sec_per_step / (peak * jax.device_count()) if peak and sec_per_step else None
       writer.write(step, "train", values)
       progress.train(step, values["loss"], values["tokens_per_sec"], sec_per_step, values["mfu"])
+      last_time = time.time()  # writing the record (the first opens the event files) is not training time
+    eval_due = (t.eval_every and step % t.eval_every == 0) or step == t.steps
+    if eval_due or save_due:  # the steps queued so far are training time: finish them before the pause
+      jax.block_until_ready(state.params)
     paused = time.time()  # evaluation and saving are not training throughput: the clock skips them
-    if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+    if eval_due:
       eval_values = evaluate(exp, eval_step, state.params, eval_batches)
       eval_record = writer.write(step, "eval", eval_values)
       progress.eval(step, eval_values["loss"], eval_values.get("accuracy", float("nan")))
@@ -314,10 +320,22 @@ def _loop(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress: 
   return {"step": step, "workdir": workdir, "state": state, "last_eval": eval_record, "experiment": exp}
 
 
+STEP_METRICS = ("grad_norm", "learning_rate", "num_tokens")  # one value per step, not a mean over its tokens
+
+
 def _train_values(host: list[dict]) -> dict[str, float]:
-  """The mean of each metric over the logged steps; steps skipped as non-finite are left out (and counted)."""
+  """The metrics of the logged steps: the objective's (loss, accuracy, ...) weighted by each step's
+  num_tokens, as evaluation and gradient accumulation weight them (an MLM step predicts a varying
+  number of tokens); grad_norm, learning_rate and num_tokens as plain means over the steps. Steps
+  skipped as non-finite are left out (and counted)."""
   finite = [m for m in host if not float(m["nonfinite"])]
-  values = {k: float(np.mean([m[k] for m in (finite or host)])) for k in host[0] if k != "nonfinite"}
+  steps = finite or host
+  weights = np.asarray([float(m["num_tokens"]) for m in steps])
+  if not weights.sum():
+    weights = np.ones_like(weights)
+  values = {k: float(np.mean([m[k] for m in steps]) if k in STEP_METRICS else
+                     np.average([float(m[k]) for m in steps], weights=weights))
+            for k in host[0] if k != "nonfinite"}
   if len(finite) < len(host):
     values["skipped"] = float(len(host) - len(finite))
   return values

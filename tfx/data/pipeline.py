@@ -497,22 +497,16 @@ class DataPipeline:
     if len(rows["tokens"]) > wanted:
       rows = {k: v[:wanted] for k, v in rows.items()}
     notes = []
-    if available >= wanted:
-      count = self.num_eval_batches
-      if available > wanted:
-        notes.append(f"eval uses the first {wanted} of {available} held-out rows")
-    elif available >= self.global_batch:
-      count = available // self.global_batch
-      notes.append(f"held-out split has {available} rows, enough for {count} of "
-                   f"{self.num_eval_batches} eval batches of {self.global_batch} rows")
-    else:
-      count = 1
-      padding = self.global_batch - available
-      rows = {k: np.concatenate([v, np.zeros((padding, self.row_length), np.int32)])
-              for k, v in rows.items()}
-      notes.append(f"held-out split has {available} rows, fewer than one batch of "
-                   f"{self.global_batch}; the eval batch has {padding} all-padding rows "
-                   f"(segment 0)")
+    count = min(self.num_eval_batches, -(-available // self.global_batch))  # every held-out row, once
+    padding = count * self.global_batch - len(rows["tokens"])
+    if padding > 0:  # the last batch is filled with rows of padding (segment 0), which no loss counts
+      rows = {k: np.concatenate([v, np.zeros((padding, self.row_length), np.int32)]) for k, v in rows.items()}
+    if available > wanted:
+      notes.append(f"eval uses the first {wanted} of {available} held-out rows")
+    elif count < self.num_eval_batches or padding > 0:
+      notes.append(f"held-out split has {available} rows: {count} of {self.num_eval_batches} eval batches of "
+                   f"{self.global_batch} rows" + (f", the last with {padding} all-padding rows (segment 0)"
+                                                  if padding > 0 else ""))
     self.eval_note = "; ".join(notes)
     return self._host_batches(rows, count)
 
