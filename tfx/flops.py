@@ -21,10 +21,10 @@ PEAK_FLOPS = {
     "H100 PCIe": 756e12,
     "H100 NVL": 835e12,
     "H200": 989e12,
-  "H200 NVL": 835e12,
+    "H200 NVL": 835e12,
     "A100": 312e12,
     "TPU v4": 275e12,
-  "TPU v4 lite": 138e12,  # v4i
+    "TPU v4 lite": 138e12,  # v4i
     "TPU v5 lite": 197e12,  # v5e
     "TPU v5e": 197e12,
     "TPU v5p": 459e12,

@@ -30,8 +30,8 @@ from etils import epath
 
 from tfx.data import sources, store
 from tfx.data.packing import document_hashes, heldout_by_hash
-from tfx.data.tokenizer import (AnyTokenizer, Tokenizer, load_tokenizer, sample_lines, saved_tokenizer, tokenizer_from_bytes,
-                                utf8_bytes)
+from tfx.data.tokenizer import (AnyTokenizer, Tokenizer, load_tokenizer, sample_lines, saved_tokenizer,
+                                tokenizer_from_bytes, utf8_bytes)
 
 PREPARED = "prepared:"
 PREPARING = "prepare.json"  # what an unfinished prepare was asked for; removed once the manifest is written
