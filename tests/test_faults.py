@@ -130,7 +130,8 @@ def test_damaged_checkpoints_fall_back_and_are_listed(tmp_path, shared_tokenizer
   assert result["step"] == 14 and sorted(int(s) for s in os.listdir(ckpts) if s.isdigit()) == [10, 12, 14]
   # a config that builds another state (allowed through) is not damage: one error, nothing moved aside
   aside = sorted(os.listdir(tmp_path / "run" / "checkpoints_set_aside"))
-  with pytest.raises(train.checkpoint.CheckpointError, match="match their checksums, so nothing was set aside"):
+  with pytest.raises(train.checkpoint.CheckpointMismatch,
+                     match=r"another model or optimizer.*\(2, 64, 96\) float32.*Nothing was set aside"):
     train.run(small(shared_tokenizer, "--config.train.steps=16", "--config.model.d_ff=96",
                     "--config.train.allow_config_change=true"), workdir)
   assert sorted(int(s) for s in os.listdir(ckpts) if s.isdigit()) == [10, 12, 14]

@@ -14,6 +14,7 @@ previous step when the latest is damaged; a damaged step is moved to WORKDIR/che
 (never deleted) so that the run can save that step again.
 """
 
+import collections
 import datetime
 import hashlib
 import json
@@ -23,6 +24,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -36,6 +38,10 @@ SET_ASIDE = "checkpoints_set_aside"
 
 class CheckpointError(UserError):
   """A checkpoint that cannot be read; the message says what to do."""
+
+
+class CheckpointMismatch(CheckpointError):
+  """A readable checkpoint of other array shapes than the config builds (never damage)."""
 
 
 def checkpoint_dir(workdir) -> epath.Path:
@@ -112,9 +118,35 @@ def abstract_like(abstract_state, shardings):
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings)
 
 
+def _shape_difference(step_dir: epath.Path, abstract_state) -> str:
+  """What differs between the (shape, dtype) of the arrays saved in `step_dir` and those of
+  `abstract_state`, from the checkpoint's metadata alone; "" when they agree or cannot be read
+  (the restore then decides). Checked first, so that orbax is never asked to read arrays into
+  other shapes (it fails half-way and leaves its reads running)."""
+  try:
+    saved = jax.tree.leaves(ocp.StandardCheckpointHandler().metadata(step_dir / "state"))
+  except Exception:  # noqa: BLE001  (unreadable metadata: damage, for the restore to report)
+    return ""
+  if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in saved):
+    return ""
+  key = lambda x: f"{tuple(x.shape)} {np.dtype(x.dtype).name}"
+  have = collections.Counter(key(x) for x in saved)
+  want = collections.Counter(key(x) for x in jax.tree.leaves(abstract_state))
+  if have == want:
+    return ""
+  return (f"it holds arrays of {', '.join(sorted(have - want)[:4])} where this config builds "
+          f"{', '.join(sorted(want - have)[:4])}")
+
+
 def restore(mngr: ocp.CheckpointManager, step: int, abstract_state):
-  """Returns (state, data_state) of `step`, or raises CheckpointError naming the directory."""
+  """Returns (state, data_state) of `step`, or raises CheckpointError naming the directory
+  (CheckpointMismatch when its arrays have other shapes than `abstract_state`'s)."""
   path = f"{mngr.directory}/{step}"
+  difference = _shape_difference(epath.Path(str(mngr.directory)) / str(step), abstract_state)
+  if difference:
+    raise CheckpointMismatch(
+        f"checkpoint {path} was written by another model or optimizer than this config builds ({difference}); "
+        f"restore the config it was written with (the workdir's config.json), or use a new --workdir")
   try:
     out = mngr.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
@@ -264,6 +296,8 @@ def restore_good(workdir, mngr: ocp.CheckpointManager, abstract_state, *, step: 
     if status in ("ok", "unverified"):
       try:
         state, data_state = restore(mngr, s, abstract_state)
+      except CheckpointMismatch as e:  # a config that builds other shapes: never damage
+        raise CheckpointMismatch(f"{e}. Nothing was set aside.") from None
       except CheckpointError as e:
         if status == "ok":  # every file matches its checksum: not damage but this run's config, code or storage
           raise CheckpointError(f"{e} Its files match their checksums, so nothing was set aside.") from e.__cause__
