@@ -198,14 +198,15 @@ class HFTokenizer:
     return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
 
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-    """Decodes one sequence of ids (``[num_tokens]``). The role tokens but unk (pad, eos, bos, mask,
-    cls, sep) and padding ids are skipped, as SentencePiece skips its control symbols; every other
-    token is kept, sentinels (T5's ``<extra_id_k>``, special tokens to ``tokenizers``) included."""
+    """Decodes one sequence of ids (``[num_tokens]``). The role tokens (pad, eos, bos, unk, mask,
+    cls, sep) and padding ids are skipped, as transformers' ``skip_special_tokens`` skips them; every
+    other token is kept, sentinels (T5's ``<extra_id_k>``, special tokens to ``tokenizers``)
+    included, as the SentencePiece backend keeps them."""
     ids = np.asarray(ids)
     if ids.ndim != 1:
       raise ValueError(f"HFTokenizer.decode takes one sequence [num_tokens], got shape {ids.shape}; decode rows "
                        f"one at a time")
-    roles = {i for role, i in self._ids.items() if role != "unk"}
+    roles = set(self._ids.values())
     kept = [int(i) for i in ids if 0 <= int(i) < self._num_ids and int(i) not in roles]
     return self._tok.decode(kept, skip_special_tokens=False)
 
