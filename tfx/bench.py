@@ -4,6 +4,7 @@
     python -m tfx.bench --config configs/base.py --sweep model.remat=none,full,dots_saveable
     python -m tfx.bench --suite accel [--tiny] [--batch ROWS_PER_DEVICE] [--only gpt2_small,...]
         [--config.k=v ...] [--sweep model.attention=cudnn,pallas,xla]
+    python -m tfx.bench (--suite accel | --config FILE) --lower gpu|tpu   # lowered only (tfx/bench_lower.py)
 
 The model, objective, optimizer, sharded state and jitted train step are built exactly as
 `tfx.train` builds them; only the data is synthetic (random token rows of the objective's raw
@@ -298,6 +299,10 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--json", default=None, help="also write the results as JSON to this path (local or gs://)")
   parser.add_argument("--sweep", default=None, metavar="KEY=V1,V2,...",
                       help="benchmark once per value of one config field, e.g. model.remat=none,full,dots_saveable")
+  parser.add_argument("--lower", choices=["gpu", "tpu"], default=None,
+                      help="trace and lower the train step(s) for this platform instead of running them: checks the "
+                           "accelerator path (kernels, cuDNN's argument checks) on a machine without one "
+                           "(tfx/bench_lower.py)")
   args, overrides = parser.parse_known_args(argv)
   parallel.initialize_distributed()
   if args.suite:
@@ -314,18 +319,33 @@ def main(argv: list[str] | None = None) -> None:
       key, _, values = args.sweep.partition("=")
       if not values:
         raise UserError(f"--sweep needs KEY=V1,V2,... (e.g. model.remat=none,full), got {args.sweep!r}")
+    if args.lower:
+      from tfx import bench_lower
+
+      settings = [f"{key.removeprefix('config.')}={v}" for v in values.split(",")] if args.sweep else [None]
+      lowered = [dict(bench_lower.lower_step(config_lib.load_config(args.config, [*overrides, f"--config.{s}"])
+                                             if s else config, args.lower), overrides=[s] if s else [])
+                 for s in settings]
+      report(bench_lower.format_lowered(lowered), lowered, args.json)
+      sys.exit(1 if any(r["error"] for r in lowered) else 0)
+    if args.sweep:
       result = sweep(args.config, overrides, key.removeprefix("config."), values.split(","), steps=args.steps,
                      warmup=args.warmup)
     else:
       result = benchmark(config, steps=args.steps, warmup=args.warmup)
   except UserError as e:
     sys.exit(f"tfx.bench: {e}")
+  report(format_sweep(result) if args.sweep else format_table(result), result, args.json)
+
+
+def report(table: str, result, json_path: str | None) -> None:
+  """Prints the table and writes the results as JSON to `json_path` (local or gs://), on process 0."""
   if jax.process_index() == 0:
-    print(format_sweep(result) if args.sweep else format_table(result))
-    if args.json:  # local or gs://
+    print(table)
+    if json_path:
       from etils import epath
 
-      epath.Path(args.json).write_text(json.dumps(result, indent=2))
+      epath.Path(json_path).write_text(json.dumps(result, indent=2, default=str))
 
 
 def suite_main(args, overrides: list[str]) -> None:
@@ -360,6 +380,14 @@ def suite_main(args, overrides: list[str]) -> None:
     for setting in settings:  # every setting is checked before the first compile
       bench_suite.check_overrides(root, tiny=args.tiny, overrides=setting, only=names)
     gcs.preflight(args.json)
+    if args.lower:
+      from tfx import bench_lower
+
+      lowered = [r for setting in settings
+                 for r in bench_lower.lower_suite(root, args.lower, tiny=args.tiny, batch_per_device=args.batch or 16,
+                                                  only=names, overrides=setting)]
+      report(bench_lower.format_lowered(lowered), lowered, args.json)
+      sys.exit(1 if any(r["error"] for r in lowered) else 0)
     runs = [bench_suite.run_suite(root, tiny=args.tiny, steps=args.steps, warmup=args.warmup,
                                   batch_per_device=args.batch, only=names, overrides=setting,
                                   depth=not args.skip_depth)
@@ -367,12 +395,7 @@ def suite_main(args, overrides: list[str]) -> None:
     out = runs[0] if not args.sweep else {"sweep": args.sweep, "runs": runs}
   except UserError as e:
     sys.exit(f"tfx.bench: {e}")
-  if jax.process_index() == 0:
-    print("\n\n".join(bench_suite.format_suite(run) for run in runs))
-    if args.json:
-      from etils import epath
-
-      epath.Path(args.json).write_text(json.dumps(out, indent=2, default=str))
+  report("\n\n".join(bench_suite.format_suite(run) for run in runs), out, args.json)
 
 
 if __name__ == "__main__":

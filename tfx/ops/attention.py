@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from tfx.ops import flash, splash
+from tfx.ops import flash, splash, target
 
 Implementation = Literal["auto", "xla", "cudnn", "pallas", "splash", "reference"]
 # The kernels that read a packed row's segment ids (`SegmentMask`) instead of a dense mask:
@@ -305,11 +305,11 @@ softmax_attention.defvjp(_softmax_attention_fwd, _softmax_attention_bwd)
 
 
 def _on_gpu() -> bool:
-  return jax.default_backend() == "gpu"
+  return target.backend() == "gpu"
 
 
 def _on_tpu() -> bool:
-  return jax.default_backend() == "tpu"
+  return target.backend() == "tpu"
 
 
 _LOGGED: set[tuple[str, str]] = set()
@@ -359,9 +359,9 @@ def choose_implementation(implementation: Implementation, dtype, head_dim: int) 
   if implementation not in ("auto", "cudnn", "pallas", "splash"):
     raise ValueError(f"unknown model.attention {implementation!r}; choose auto, xla, cudnn, pallas, splash or reference")
   if implementation == "splash":
-    return ("splash", "TPU, segment ids") if _on_tpu() else ("xla", f"no TPU (backend {jax.default_backend()})")
+    return ("splash", "TPU, segment ids") if _on_tpu() else ("xla", f"no TPU (backend {target.backend()})")
   if not _on_gpu():
-    return "xla", f"no GPU (backend {jax.default_backend()})"
+    return "xla", f"no GPU (backend {target.backend()})"
   if implementation == "pallas":
     return "pallas", "GPU, segment ids"
   if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):

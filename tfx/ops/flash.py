@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from tfx.ops import target
+
 # Query / key block lengths tried, largest first; a row length must be a multiple of one.
 BLOCKS = (128, 64, 32, 16)
 # The backward kernels' blocks (Pallas' defaults): smaller, as they hold dK, dV (or dQ) too.
@@ -109,7 +111,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
     segment_ids: [b, t] int, 0 = padding.
     causal: whether key j > query i is masked.
     scale: the score scale.
-    interpret: run Pallas' interpreter instead of compiling the kernel; default: off a GPU.
+    interpret: run Pallas' interpreter instead of compiling the kernel; default: off a GPU (`tfx.ops.target.backend()`).
 
   Returns:
     [b, t, h, d] in q's dtype, equal to `softmax_attention` with `SegmentMask(segment_ids,
@@ -128,7 +130,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
   sizes = pallas_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=back, block_kv_dkv=back,
                                       block_q_dq=back, block_kv_dq=back)
   if interpret is None:
-    interpret = jax.default_backend() != "gpu"
+    interpret = target.backend() != "gpu"
 
   named = _pallas_backward() is not None
 

@@ -22,7 +22,7 @@ it against the reference attention on CPU. It has not yet run on a TPU here.
 import jax
 import jax.numpy as jnp
 
-from tfx.ops import flash
+from tfx.ops import flash, target
 
 # Query / key block lengths tried, largest first (MaxText's default block is 512); a row length
 # must be a multiple of one. 128 is the TPU's lane width, the smallest block Mosaic tiles well.
@@ -60,7 +60,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     segment_ids: [b, t] int, 0 = padding.
     causal: whether key j > query i is masked.
     scale: the score scale.
-    interpret: run Pallas' interpreter instead of compiling the kernel; default: off a TPU.
+    interpret: run Pallas' interpreter instead of compiling the kernel; default: off a TPU (`tfx.ops.target.backend()`).
 
   Returns:
     [b, t, h, d] in q's dtype, equal to `softmax_attention` with `SegmentMask(segment_ids,
@@ -70,7 +70,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
   if flash.block_length(t, BLOCKS) is None:
     raise ValueError(f"splash attention needs a row length that is a multiple of {BLOCKS[-1]}, got {t}")
   if interpret is None:
-    interpret = jax.default_backend() != "tpu"
+    interpret = target.backend() != "tpu"
   h, kh = q.shape[2], k.shape[2]
   if kh % flash.shards()[1]:  # fewer key/value heads than head shards: each device needs its own copy
     k, v = (jnp.repeat(x, h // kh, axis=2) for x in (k, v))  # [b, t, h, d]

@@ -1,0 +1,124 @@
+"""`python -m tfx.bench --lower gpu|tpu`: train steps lowered for an accelerator this CPU does not have.
+
+The lowered modules are the programs the accelerator would compile; what these tests read off
+them is which attention kernels the step calls and how often: the forward kernel once when the
+rematerialisation policy keeps its outputs (`dots_attention`, the default), twice when the
+backward pass recomputes it (`full`).
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tfx import bench, bench_lower
+from tfx.ops import attention, target
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def lower_gpt2(platform: str, *overrides: str) -> dict:
+  (result,) = bench_lower.lower_suite(ROOT, platform, tiny=True, batch_per_device=2, only=("gpt2_small",),
+                                      overrides=overrides)
+  assert result["error"] is None, result["error"]
+  return result
+
+
+def test_lowering_for_names_the_platform_only_inside_the_block():
+  assert target.backend() == "cpu"
+  assert attention.choose_implementation("auto", jnp.bfloat16, 64)[0] == "xla"
+  with target.lowering_for("gpu"):
+    assert target.backend() == "gpu"
+    assert attention.choose_implementation("auto", jnp.bfloat16, 64) == ("cudnn", "GPU, bfloat16")
+    assert attention.choose_implementation("pallas", jnp.bfloat16, 64)[0] == "pallas"
+    with target.lowering_for("tpu"):
+      assert attention.choose_implementation("splash", jnp.bfloat16, 64)[0] == "splash"
+    assert target.backend() == "gpu"
+  assert target.backend() == "cpu"
+  assert attention.choose_implementation("pallas", jnp.bfloat16, 64)[0] == "xla"
+  with pytest.raises(ValueError, match="unknown platform"):
+    with target.lowering_for("metal"):
+      pass
+
+
+def test_assumed_cudnn_version_is_undone_after_the_block():
+  from jax._src.cudnn import fused_attention_stablehlo as fused
+
+  if fused.cuda_versions is not None:
+    pytest.skip("cuDNN is installed here: its own version is used")
+  with pytest.raises(RuntimeError, match="cuDNN"):
+    fused.check_cudnn_version()
+  with target.lowering_for("gpu"):
+    assert fused.check_cudnn_version() == target.CUDNN_ASSUMED
+  with pytest.raises(RuntimeError, match="cuDNN"):
+    fused.check_cudnn_version()
+
+
+@pytest.mark.parametrize("remat, forward_sites", [("dots_attention", 1), ("full", 2)])
+def test_cudnn_forward_kernel_runs_again_only_when_the_policy_drops_its_outputs(remat, forward_sites):
+  result = lower_gpt2("gpu", "model.attention=auto", f"model.remat={remat}")
+  assert result["attention"] == ["cudnn (GPU, bfloat16)"]
+  assert result["kernel_calls"] == {"cudnn backward": 1, "cudnn forward": forward_sites}
+
+
+@pytest.mark.parametrize("remat, sites", [("dots_attention", 3), ("full", 4)])
+def test_pallas_kernels_lower_to_triton(remat, sites):
+  # forward, dq and dk/dv kernels; with `full` the forward kernel a second time
+  result = lower_gpt2("gpu", "model.attention=pallas", f"model.remat={remat}")
+  assert result["attention"] == ["pallas (GPU, segment ids)"]
+  assert result["kernel_calls"] == {"triton (Pallas)": sites}
+
+
+def test_splash_kernels_lower_to_mosaic():
+  result = lower_gpt2("tpu", "model.attention=splash", "data.seq_len=128")  # splash's smallest block is 128
+  assert result["attention"] == ["splash (TPU, segment ids)"]
+  assert result["kernel_calls"] == {"mosaic (Pallas)": 3}
+
+
+def test_xla_attention_calls_no_kernel():
+  result = lower_gpt2("gpu", "model.attention=xla")
+  assert result["kernel_calls"] == {} and result["module_bytes"] > 0
+  assert result["attention"] == ["xla (model.attention)"]
+  assert target.backend() == "cpu"
+
+
+def test_kernel_calls_counts_call_sites_by_kernel():
+  text = "\n".join([
+      '%0 = stablehlo.custom_call @"__cudnn$fmhaScaleBiasSoftmax"(%a)',
+      "%1 = stablehlo.custom_call @__cudnn$fmhaScaleBiasSoftmax(%a)",
+      "%2 = stablehlo.custom_call @__cudnn$fmhaScaleBiasSoftmaxBackward(%b)",
+      "%3 = stablehlo.custom_call @Sharding(%c)",
+      "%4 = stablehlo.custom_call @tpu_custom_call(%d)",
+  ])
+  assert bench_lower.kernel_calls(text) == {"cudnn backward": 1, "cudnn forward": 1, "mosaic (Pallas)": 1}
+
+
+def test_cli_reports_a_failed_lowering_and_exits_1(monkeypatch, tmp_path, capsys):
+  from tfx import bench_suite
+
+  def broken(config):
+    raise NotImplementedError("the kernel does not exist there\nsecond line")
+
+  monkeypatch.setattr(bench_suite, "_abstract_step", broken)
+  out = tmp_path / "lowered.json"
+  with pytest.raises(SystemExit) as exit_info:
+    bench.main(["--suite", "accel", "--tiny", "--lower", "tpu", "--only", "bert_base", "--json", str(out)])
+  assert exit_info.value.code == 1
+  printed = capsys.readouterr().out
+  assert "bert_base [defaults] for tpu: FAILED NotImplementedError: the kernel does not exist there" in printed
+  (record,) = json.loads(out.read_text())
+  assert record["name"] == "bert_base" and record["error"].startswith("NotImplementedError")
+  assert target.backend() == jax.default_backend()  # the failure left no platform behind
+
+
+def test_cli_lowers_one_config_per_swept_value(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    bench.main(["--config", os.path.join(ROOT, "configs", "tiny.py"), "--config.model.dtype=bfloat16",
+                "--lower", "gpu", "--sweep", "model.attention=pallas,xla"])
+  assert exit_info.value.code == 0
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert len(lines) == 2
+  assert lines[0].startswith("config [model.attention=pallas] for gpu: lowered") and "triton (Pallas) x" in lines[0]
+  assert "no attention kernel called" in lines[1]

@@ -1,0 +1,69 @@
+"""The platform tfx traces its kernels for: this machine's backend, or one named for a cross-lowering.
+
+The attention's kernel choice (`tfx.ops.attention.choose_implementation`) and whether the Pallas
+kernels run compiled or in Pallas' interpreter depend on the platform. Normally that is
+`jax.default_backend()`. Inside `lowering_for("gpu")` (or "tpu") they are made for that platform
+instead, so that a train step traced there and lowered with
+`jitted.trace(...).lower(lowering_platforms=(LOWERING_PLATFORMS["gpu"],))` is the program the
+GPU would compile: its Triton and cuDNN custom calls (or the TPU's Mosaic kernels) included. That
+is how `python -m tfx.bench --lower gpu` checks the accelerator path on a machine without one.
+"""
+
+import contextlib
+from typing import Iterator
+
+import jax
+
+# Backend name (jax.default_backend()) -> the name `Lowered` takes in `lowering_platforms`.
+LOWERING_PLATFORMS = {"gpu": "cuda", "tpu": "tpu", "cpu": "cpu"}
+# The cuDNN version JAX's cuDNN attention is told while lowering for a GPU on a machine without
+# cuDNN (its argument checks ask for one): 9.8, what jax 0.10's CUDA 12 wheels are built against.
+# The checks that depend on the GPU's compute capability see none, so they take the pre-Hopper
+# limits (head dim <= 128), the stricter ones.
+CUDNN_ASSUMED = 90800
+
+_TARGETS: list[str] = []
+
+
+def backend() -> str:
+  """'gpu', 'tpu' or 'cpu': the platform kernels are traced for (see the module docstring)."""
+  return _TARGETS[-1] if _TARGETS else jax.default_backend()
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str) -> Iterator[None]:
+  """Traces inside the block are for `platform` ('gpu', 'tpu' or 'cpu') whatever this machine is.
+
+  Only tracing and lowering are meaningful inside it: a function traced here for a GPU runs
+  nowhere but on a GPU. For 'gpu' without cuDNN installed, JAX's cuDNN attention wrapper is
+  given `CUDNN_ASSUMED` as the installed version for the duration of the block.
+  """
+  if platform not in LOWERING_PLATFORMS:
+    raise ValueError(f"unknown platform {platform!r}; choose {', '.join(LOWERING_PLATFORMS)}")
+  with contextlib.ExitStack() as stack:
+    if platform == "gpu":
+      stack.enter_context(_assumed_cudnn())
+    _TARGETS.append(platform)
+    stack.callback(_TARGETS.pop)
+    yield
+
+
+@contextlib.contextmanager
+def _assumed_cudnn() -> Iterator[None]:
+  """JAX's `check_cudnn_version` answers `CUDNN_ASSUMED` when no cuDNN is installed here. It is
+  JAX's private module: if it moved, nothing is replaced and cuDNN attention is refused (the
+  refusal's reason says why), which the report shows."""
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as fused  # noqa: PLC0415
+  except ImportError:
+    yield
+    return
+  original = getattr(fused, "check_cudnn_version", None)
+  if original is None or getattr(fused, "cuda_versions", None) is not None:
+    yield  # cuDNN is installed (or the module changed): its own answer stands
+    return
+  fused.check_cudnn_version = lambda: CUDNN_ASSUMED
+  try:
+    yield
+  finally:
+    fused.check_cudnn_version = original
