@@ -4,7 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: quickstart test test-slow test-all test-parity install install-dev install-parity bench-peer gpu-wheels clean
+.PHONY: quickstart test test-slow test-all test-parity install install-dev install-parity bench-peer gpu-wheels tpu-libs \
+	tpu-compile clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +36,7 @@ quickstart: install
 # The long end-to-end tests (marked slow: mesh invariance after training on 4 meshes, multi-process,
 # fine-tuning over seeds, sweeps, fault injection) have their own target, and the parity suite its
 # own (it needs torch); CI runs all three.
-test: install-dev
+test: install-dev tpu-libs
 	$(PY) -m pytest -q -m "not slow" tests --ignore=tests/parity
 
 test-slow: install-dev
@@ -68,6 +69,20 @@ bench-peer: $(PEER_VENV)/.installed
 gpu-wheels:
 	mkdir -p benchmarks/gpu/wheels
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d benchmarks/gpu/wheels "ml-collections==1.1.0"
+
+# libtpu beside the venv, not in it (there jax would look for a TPU at every start), for the train
+# steps compiled for a TPU slice on this machine, which has none (tfx/bench_lower.py; a test uses
+# it). The version is the one jax[tpu] 0.10.2 requires. Extra arguments:
+# make tpu-compile ARGS="--topology v5e:16x16 --batch 8 --only gpt2_small".
+TPU_LIBS ?= .tpu-libs
+$(TPU_LIBS)/.installed: $(VENV)/bin/activate
+	$(PIP) install -q --no-deps --target $(TPU_LIBS) "libtpu==0.0.42.1"
+	touch $@
+
+tpu-libs: $(TPU_LIBS)/.installed
+
+tpu-compile: install tpu-libs
+	JAX_PLATFORMS=cpu PYTHONPATH=$(TPU_LIBS) $(PY) -m tfx.bench --suite accel --lower tpu --topology v5e:2x2 $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

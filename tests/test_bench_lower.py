@@ -8,6 +8,8 @@ backward pass recomputes it (`full`).
 
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -98,7 +100,7 @@ def test_kernel_calls_counts_call_sites_by_kernel():
 def test_cli_reports_a_failed_lowering_and_exits_1(monkeypatch, tmp_path, capsys):
   from tfx import bench_suite
 
-  def broken(config):
+  def broken(config, devices=None):
     raise NotImplementedError("the kernel does not exist there\nsecond line")
 
   monkeypatch.setattr(bench_suite, "_abstract_step", broken)
@@ -107,7 +109,7 @@ def test_cli_reports_a_failed_lowering_and_exits_1(monkeypatch, tmp_path, capsys
     bench.main(["--suite", "accel", "--tiny", "--lower", "tpu", "--only", "bert_base", "--json", str(out)])
   assert exit_info.value.code == 1
   printed = capsys.readouterr().out
-  assert "bert_base [defaults] for tpu: FAILED NotImplementedError: the kernel does not exist there" in printed
+  assert "bert_base [16 x 64, defaults] for tpu: FAILED NotImplementedError: the kernel does not exist there" in printed
   (record,) = json.loads(out.read_text())
   assert record["name"] == "bert_base" and record["error"].startswith("NotImplementedError")
   assert target.backend() == jax.default_backend()  # the failure left no platform behind
@@ -122,3 +124,36 @@ def test_cli_lowers_one_config_per_swept_value(capsys):
   assert len(lines) == 2
   assert lines[0].startswith("config [model.attention=pallas] for gpu: lowered") and "triton (Pallas) x" in lines[0]
   assert "no attention kernel called" in lines[1]
+
+
+TPU_LIBS = os.path.join(ROOT, ".tpu-libs")
+
+
+def run_with_libtpu(*args: str) -> subprocess.CompletedProcess:
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([TPU_LIBS, ROOT])}
+  return subprocess.run([sys.executable, "-m", "tfx.bench", *args], env=env, cwd=ROOT, capture_output=True,
+                        text=True, timeout=900)
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(TPU_LIBS, "libtpu")),
+                    reason="libtpu is not installed beside the venv (make tpu-libs; make test installs it)")
+def test_tiny_suite_compiles_for_a_tpu_slice_on_a_cpu(tmp_path):
+  out = tmp_path / "v5e.json"
+  proc = run_with_libtpu("--suite", "accel", "--tiny", "--lower", "tpu", "--topology", "v5e:2x2", "--batch", "2",
+                         "--only", "gpt2_small", "--config.model.attention=splash", "--config.data.seq_len=128",
+                         "--json", str(out))
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  results = json.loads(out.read_text())
+  assert [r["name"] for r in results] == ["gpt2_small", "gpt2_small@2", "gpt2_small@8"]  # + compile by depth
+  for r in results:
+    assert r["error"] is None
+    assert (r["device_count"], r["device_kind"], r["batch_size"]) == (4, "TPU v5 lite", 8)
+    assert r["attention"] == ["splash (TPU, segment ids)"]
+    assert r["kernel_calls"] == {"mosaic (Pallas)": 3}  # Mosaic compiled the splash kernels for a v5e
+    assert r["compile_s"] > 0
+    assert r["device_bytes"] == r["argument_bytes"] + r["temp_bytes"] + r["output_bytes"] - r["alias_bytes"] > 0
+  assert "compiled for 4 x TPU v5 lite" in proc.stdout
+
+  bad = run_with_libtpu("--config", os.path.join(ROOT, "configs", "tiny.py"), "--lower", "tpu", "--topology", "v5e")
+  assert bad.returncode != 0
+  assert "--topology v5e:" in bad.stderr and "GENERATION:SHAPE" in bad.stderr

@@ -5,6 +5,7 @@
     python -m tfx.bench --suite accel [--tiny] [--batch ROWS_PER_DEVICE] [--only gpt2_small,...]
         [--config.k=v ...] [--sweep model.attention=cudnn,pallas,xla]
     python -m tfx.bench (--suite accel | --config FILE) --lower gpu|tpu   # lowered only (tfx/bench_lower.py)
+    python -m tfx.bench (--suite accel | --config FILE) --lower tpu --topology v5e:2x2   # + compiled, no TPU
 
 The model, objective, optimizer, sharded state and jitted train step are built exactly as
 `tfx.train` builds them; only the data is synthetic (random token rows of the objective's raw
@@ -121,19 +122,21 @@ def peak_memory_bytes() -> int | None:
   return max(peaks) if peaks else None
 
 
-def build_experiment(config: ml_collections.ConfigDict):
-  """The training `Experiment` of `config` with synthetic data (no tokenizer, no pipeline)."""
+def build_experiment(config: ml_collections.ConfigDict, devices=None):
+  """The training `Experiment` of `config` with synthetic data (no tokenizer, no pipeline), its
+  mesh over `devices` (default: all of them; a deviceless topology's for an ahead-of-time compile)."""
   from tfx.train import Experiment, make_optimizer
 
   load_builtins()
-  config_lib.validate(config, num_devices=jax.device_count(), process_count=jax.process_count())
+  num_devices = jax.device_count() if devices is None else len(devices)
+  config_lib.validate(config, num_devices=num_devices, process_count=jax.process_count())
   ids = synthetic_ids(config.data.vocab_size)
   objective = OBJECTIVES.get(config.objective.name).from_config(config.objective, ids)
   if objective.needs_word_start():  # synthetic text: every other id starts a word
     objective = objective.with_word_start(tuple(i % 2 == 0 for i in range(ids.vocab_size)))
   model = build_model(config.model, vocab_size=ids.vocab_size, max_length=config.data.seq_len)
   tx, schedule = make_optimizer(config)
-  mesh = parallel.make_mesh(config.mesh)
+  mesh = parallel.make_mesh(config.mesh, devices)
   return Experiment(config=config, workdir="", tokenizer=None, objective=objective, model=model, pipeline=None,
                     mesh=mesh, tx=tx, schedule=schedule)
 
@@ -303,7 +306,12 @@ def main(argv: list[str] | None = None) -> None:
                       help="trace and lower the train step(s) for this platform instead of running them: checks the "
                            "accelerator path (kernels, cuDNN's argument checks) on a machine without one "
                            "(tfx/bench_lower.py)")
+  parser.add_argument("--topology", default=None, metavar="SLICE",
+                      help="with --lower tpu: also compile for this TPU slice, e.g. v5e:2x2 or v5e:16x16, without one "
+                           "(libtpu: make tpu-libs), reporting compile time and memory per device")
   args, overrides = parser.parse_known_args(argv)
+  if args.topology and args.lower != "tpu":
+    parser.error("--topology names a TPU slice: use it with --lower tpu")
   parallel.initialize_distributed()
   if args.suite:
     suite_main(args, overrides)
@@ -323,8 +331,9 @@ def main(argv: list[str] | None = None) -> None:
       from tfx import bench_lower
 
       settings = [f"{key.removeprefix('config.')}={v}" for v in values.split(",")] if args.sweep else [None]
+      devices = bench_lower.topology_devices(args.topology) if args.topology else None
       lowered = [dict(bench_lower.lower_step(config_lib.load_config(args.config, [*overrides, f"--config.{s}"])
-                                             if s else config, args.lower), overrides=[s] if s else [])
+                                             if s else config, args.lower, devices), overrides=[s] if s else [])
                  for s in settings]
       report(bench_lower.format_lowered(lowered), lowered, args.json)
       sys.exit(1 if any(r["error"] for r in lowered) else 0)
@@ -377,15 +386,22 @@ def suite_main(args, overrides: list[str]) -> None:
         raise UserError(f"--sweep needs KEY=V1,V2,... (e.g. model.attention=cudnn,pallas,xla), got {args.sweep!r}")
       key = key.removeprefix("config.")
       settings = [(*fields, f"{key}={value}") for value in values.split(",")]
+    devices = None
+    if args.topology:
+      from tfx import bench_lower
+
+      devices = bench_lower.topology_devices(args.topology)
     for setting in settings:  # every setting is checked before the first compile
-      bench_suite.check_overrides(root, tiny=args.tiny, overrides=setting, only=names)
+      bench_suite.check_overrides(root, tiny=args.tiny, overrides=setting, only=names,
+                                  num_devices=len(devices) if devices else None)
     gcs.preflight(args.json)
     if args.lower:
       from tfx import bench_lower
 
       lowered = [r for setting in settings
                  for r in bench_lower.lower_suite(root, args.lower, tiny=args.tiny, batch_per_device=args.batch or 16,
-                                                  only=names, overrides=setting)]
+                                                  only=names, overrides=setting, devices=devices,
+                                                  depth=not args.skip_depth)]
       report(bench_lower.format_lowered(lowered), lowered, args.json)
       sys.exit(1 if any(r["error"] for r in lowered) else 0)
     runs = [bench_suite.run_suite(root, tiny=args.tiny, steps=args.steps, warmup=args.warmup,

@@ -127,12 +127,13 @@ def time_objective_part(exp, state, batch, frozen, *, steps: int) -> dict[str, A
 # ---------------------------------------------------------------------------- the suite
 
 
-def _abstract_step(config):
-  """(jitted train step, its abstract arguments) of `config`: nothing is allocated or run."""
+def _abstract_step(config, devices=None):
+  """(jitted train step, its abstract arguments) of `config` on a mesh over `devices` (default:
+  all of them): nothing is allocated or run."""
   from tfx import bench
   from tfx.train import make_train_step, state_shardings
 
-  exp = bench.build_experiment(config)
+  exp = bench.build_experiment(config, devices)
   seq_len, batch_size = config.data.seq_len, config.train.batch_size
   abstract, shardings = state_shardings(exp.model, exp.tx, exp.mesh, seq_len, exp.objective, batch_size)
   rows = jax.ShapeDtypeStruct((batch_size, exp.objective.raw_length(seq_len)), np.int32,
@@ -177,13 +178,16 @@ def fill_device(entry: Entry, root: str, start: int, *, fraction: float = 0.85, 
   return best or start
 
 
-def check_overrides(root: str, *, tiny: bool, overrides: tuple[str, ...], only: tuple[str, ...] = ()) -> None:
-  """Loads and validates every entry's config with `overrides` (model.attention=pallas, ...),
-  so that a bad key or value stops the suite before the first compile."""
+def check_overrides(root: str, *, tiny: bool, overrides: tuple[str, ...], only: tuple[str, ...] = (),
+                    num_devices: int | None = None) -> None:
+  """Loads and validates every entry's config with `overrides` (model.attention=pallas, ...) for
+  `num_devices` (default: this machine's), so that a bad key or value stops the suite before the
+  first compile."""
+  count = num_devices or jax.device_count()
   for entry in SUITE:
     if not only or entry.name in only:
-      config = entry_config(entry, root, tiny=tiny, batch_size=2 * jax.device_count(), extra=overrides)
-      config_lib.validate(config, num_devices=jax.device_count(), process_count=jax.process_count())
+      config = entry_config(entry, root, tiny=tiny, batch_size=2 * count, extra=overrides)
+      config_lib.validate(config, num_devices=count, process_count=jax.process_count())
 
 
 def run_suite(root: str, *, tiny: bool, steps: int, warmup: int, batch_per_device: int | None = None,

@@ -89,9 +89,9 @@ def decay_mask(params) -> Any:
 
 def _init_fn(model: nn.Module, tx: optax.GradientTransformation, seq_len: int, objective=None, batch_size: int = 1):
   """rng -> TrainState with boxed (logically partitioned) params and objective state."""
-  inputs = type(model).init_inputs(1, seq_len)
 
   def init(rng):
+    inputs = type(model).init_inputs(1, seq_len)  # traced with the rest: no array made on a device
     params_rng, state_rng = jax.random.split(rng)
     params = model.init({"params": params_rng, "dropout": params_rng}, **inputs)["params"]
     own = objective.init_params(jax.random.fold_in(params_rng, 1), model, seq_len) if objective is not None else None
@@ -108,8 +108,9 @@ def _init_fn(model: nn.Module, tx: optax.GradientTransformation, seq_len: int, o
 
 def state_shardings(model: nn.Module, tx, mesh, seq_len: int, objective=None, batch_size: int = 1):
   """(abstract unboxed state, NamedShardings) from the logical axis names, without computing."""
+  key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
   with parallel.context(mesh):
-    boxed = jax.eval_shape(_init_fn(model, tx, seq_len, objective, batch_size), jax.random.key(0))
+    boxed = jax.eval_shape(_init_fn(model, tx, seq_len, objective, batch_size), key)
   shardings = parallel.logical_to_sharding(boxed, mesh)
   return nn.unbox(boxed), shardings
 
