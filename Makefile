@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
 .PHONY: quickstart test test-slow test-all test-parity install install-dev install-parity bench-peer gpu-wheels tpu-libs \
-	tpu-compile clean
+	tpu-compile gpu-libs gpu-compile clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -81,8 +81,27 @@ $(TPU_LIBS)/.installed: $(VENV)/bin/activate
 
 tpu-libs: $(TPU_LIBS)/.installed
 
+# The TPU_* variables only keep libtpu from probing for a TPU VM's metadata (and warning that it
+# found none): no TPU is used.
 tpu-compile: install tpu-libs
-	JAX_PLATFORMS=cpu PYTHONPATH=$(TPU_LIBS) $(PY) -m tfx.bench --suite accel --lower tpu --topology v5e:2x2 $(ARGS)
+	JAX_PLATFORMS=cpu PYTHONPATH=$(TPU_LIBS) TPU_SKIP_MDS_QUERY=1 TPU_WORKER_HOSTNAMES=localhost \
+	  TPU_ACCELERATOR_TYPE=v5litepod-4 $(PY) -m tfx.bench --suite accel --lower tpu --topology v5e:2x2 $(ARGS)
+
+# JAX's CUDA plugin with CUDA's compiler pieces and cuDNN (about 1.7 GB), beside the venv, for the
+# train steps compiled by XLA:GPU for an H100 or H200 on this machine, which has no GPU
+# (tfx/bench_lower.py). Not needed by make test. Extra arguments as for tpu-compile.
+GPU_LIBS ?= .gpu-libs
+$(GPU_LIBS)/.installed: $(VENV)/bin/activate
+	$(PIP) install -q --no-deps --target $(GPU_LIBS) "jax-cuda12-plugin==0.10.2" "jax-cuda12-pjrt==0.10.2" \
+	  "nvidia-cuda-runtime-cu12==12.9.79" "nvidia-cuda-nvcc-cu12==12.9.86" "nvidia-nvjitlink-cu12==12.9.86" \
+	  "nvidia-cuda-nvrtc-cu12==12.9.86" "nvidia-cublas-cu12==12.9.3.13" "nvidia-cuda-cupti-cu12==12.9.79" \
+	  "nvidia-cudnn-cu12==9.28.0.42"
+	touch $@
+
+gpu-libs: $(GPU_LIBS)/.installed
+
+gpu-compile: install gpu-libs
+	JAX_PLATFORMS=cpu PYTHONPATH=$(GPU_LIBS) $(PY) -m tfx.bench --suite accel --lower gpu --topology h100 $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

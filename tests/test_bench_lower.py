@@ -6,6 +6,7 @@ rematerialisation policy keeps its outputs (`dots_attention`, the default), twic
 backward pass recomputes it (`full`).
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -129,8 +130,26 @@ def test_cli_lowers_one_config_per_swept_value(capsys):
 TPU_LIBS = os.path.join(ROOT, ".tpu-libs")
 
 
+GPU_LIBS = os.path.join(ROOT, ".gpu-libs")
+
+
+def test_topology_names_pick_the_platform_and_a_missing_library_says_what_to_install():
+  assert [bench_lower.topology_platform(n) for n in ("h100", "H200:8", "v5e:2x2", "v4:2x2x1")] == [
+      "gpu", "gpu", "tpu", "tpu"]
+  from tfx.errors import UserError
+
+  if importlib.util.find_spec("jax_plugins") and importlib.util.find_spec("jax_plugins.xla_cuda12"):
+    pytest.skip("JAX's CUDA plugin is importable here")  # this test wants a process without it
+  with pytest.raises(UserError, match="make gpu-libs"):
+    bench_lower.topology_devices("h100")
+  with pytest.raises(SystemExit):  # a GPU named with --lower tpu: refused before anything is built
+    bench.main(["--config", os.path.join(ROOT, "configs", "tiny.py"), "--lower", "tpu", "--topology", "h100"])
+
+
 def run_with_libtpu(*args: str) -> subprocess.CompletedProcess:
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([TPU_LIBS, ROOT])}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([TPU_LIBS, ROOT]),
+         # no TPU VM metadata to probe for (as `make tpu-compile` runs it)
+         "TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "TPU_ACCELERATOR_TYPE": "v5litepod-4"}
   return subprocess.run([sys.executable, "-m", "tfx.bench", *args], env=env, cwd=ROOT, capture_output=True,
                         text=True, timeout=900)
 
@@ -157,3 +176,38 @@ def test_tiny_suite_compiles_for_a_tpu_slice_on_a_cpu(tmp_path):
   bad = run_with_libtpu("--config", os.path.join(ROOT, "configs", "tiny.py"), "--lower", "tpu", "--topology", "v5e")
   assert bad.returncode != 0
   assert "--topology v5e:" in bad.stderr and "GENERATION:SHAPE" in bad.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir(os.path.join(TPU_LIBS, "libtpu")),
+                    reason="libtpu is not installed beside the venv (make tpu-libs; make test installs it)")
+def test_every_family_compiles_for_tpu_on_a_three_axis_mesh_without_involuntary_remat(tmp_path):
+  # 8 chips of a v4 slice as 2-way data x 2-way FSDP x 2-way tensor parallel: XLA:TPU's own SPMD
+  # partitioner, the splash kernels on each device's rows and heads
+  out = tmp_path / "v4.json"
+  proc = run_with_libtpu("--suite", "accel", "--tiny", "--lower", "tpu", "--topology", "v4:2x2x1", "--batch", "2",
+                         "--skip-depth", "--config.model.attention=splash", "--config.data.seq_len=128",
+                         "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2", "--json", str(out))
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  results = {r["name"]: r for r in json.loads(out.read_text())}
+  assert sorted(results) == ["bert_base", "gpt2_small", "t5_base", "xlnet_base"]
+  assert all(r["error"] is None and r["device_count"] == 8 for r in results.values())
+  assert results["gpt2_small"]["kernel_calls"] == results["bert_base"]["kernel_calls"] == {"mosaic (Pallas)": 3}
+  assert "Involuntary full rematerialization" not in proc.stderr
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(GPU_LIBS, "jax_plugins")),
+                    reason="JAX's CUDA plugin is not installed beside the venv (make gpu-libs, 1.7 GB; not part of make test)")
+def test_tiny_gpt2_compiles_for_an_h100_on_a_cpu(tmp_path):
+  out = tmp_path / "h100.json"
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([GPU_LIBS, ROOT])}
+  proc = subprocess.run([sys.executable, "-m", "tfx.bench", "--suite", "accel", "--tiny", "--lower", "gpu",
+                         "--topology", "h100", "--batch", "2", "--only", "gpt2_small", "--skip-depth",
+                         "--sweep", "model.attention=auto,pallas", "--json", str(out)],
+                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  auto, pallas = json.loads(out.read_text())
+  for r in (auto, pallas):
+    assert r["error"] is None and r["device_kind"] == "NVIDIA H100 80GB HBM3" and r["compile_s"] > 0
+  assert auto["kernel_calls"] == {"cudnn backward": 1, "cudnn forward": 1}  # cuDNN's own version check passed
+  assert pallas["kernel_calls"] == {"triton (Pallas)": 3}  # and XLA:GPU compiled the Triton kernels

@@ -6,6 +6,7 @@
         [--config.k=v ...] [--sweep model.attention=cudnn,pallas,xla]
     python -m tfx.bench (--suite accel | --config FILE) --lower gpu|tpu   # lowered only (tfx/bench_lower.py)
     python -m tfx.bench (--suite accel | --config FILE) --lower tpu --topology v5e:2x2   # + compiled, no TPU
+    python -m tfx.bench (--suite accel | --config FILE) --lower gpu --topology h100      # + compiled, no GPU
 
 The model, objective, optimizer, sharded state and jitted train step are built exactly as
 `tfx.train` builds them; only the data is synthetic (random token rows of the objective's raw
@@ -307,11 +308,16 @@ def main(argv: list[str] | None = None) -> None:
                            "accelerator path (kernels, cuDNN's argument checks) on a machine without one "
                            "(tfx/bench_lower.py)")
   parser.add_argument("--topology", default=None, metavar="SLICE",
-                      help="with --lower tpu: also compile for this TPU slice, e.g. v5e:2x2 or v5e:16x16, without one "
-                           "(libtpu: make tpu-libs), reporting compile time and memory per device")
+                      help="with --lower: also compile for these devices without them and report compile time and "
+                           "memory per device: a TPU slice (v5e:2x2, v5e:16x16; make tpu-libs) or GPUs (h100, h200:8; "
+                           "make gpu-libs)")
   args, overrides = parser.parse_known_args(argv)
-  if args.topology and args.lower != "tpu":
-    parser.error("--topology names a TPU slice: use it with --lower tpu")
+  if args.topology:
+    from tfx.bench_lower import topology_platform
+
+    if args.lower != topology_platform(args.topology):
+      parser.error(f"--topology {args.topology} is a {topology_platform(args.topology).upper()}: use it with "
+                   f"--lower {topology_platform(args.topology)}")
   parallel.initialize_distributed()
   if args.suite:
     suite_main(args, overrides)

@@ -4,6 +4,7 @@
     python -m tfx.bench --suite accel --lower tpu --sweep model.attention=splash,xla
     python -m tfx.bench --config configs/base.py --config.model.dtype=bfloat16 --lower gpu
     PYTHONPATH=.tpu-libs JAX_PLATFORMS=cpu python -m tfx.bench --suite accel --lower tpu --topology v5e:2x2
+    PYTHONPATH=.gpu-libs JAX_PLATFORMS=cpu python -m tfx.bench --suite accel --lower gpu --topology h100
 
 Each step is traced for the named platform (`tfx.ops.target.lowering_for`: the attention kernel
 chosen as that platform would choose it, the Pallas kernels compiled rather than interpreted) and
@@ -17,12 +18,14 @@ kernels the program calls, how often. The counts show the rematerialisation poli
 backward pass), with `full` twice. What it cannot prove: that the device's own compiler
 (XLA:GPU, Triton's PTX back end, cuDNN's engine selection, Mosaic) accepts the program, and speed.
 
-For a TPU the compiler can run here too: with `--topology v5e:2x2` (any slice libtpu knows, e.g.
-v5e:16x16 for 256 chips) the step is also compiled by XLA:TPU for that slice's compile-only
-devices (`jax.experimental.topologies`; libtpu beside the venv: `make tpu-libs`), which reports
-the compile time, the memory per device by XLA's memory analysis, and a step that does not fit
-the chips' memory as the compiler's RESOURCE_EXHAUSTED error. That is MaxText's ahead-of-time
-compile check; it still measures no step time.
+The device's compiler can run here too (`--topology`, with `jax.experimental.topologies`'
+compile-only devices): XLA:TPU for a slice (v5e:2x2, or v5e:16x16 for 256 chips; libtpu beside the
+venv: `make tpu-libs`) and XLA:GPU for an H100 or H200 (h100, h200:8 for 8 of them; JAX's CUDA
+plugin, CUDA's compiler pieces and cuDNN beside the venv: `make gpu-libs`; it skips autotuning,
+which needs the device). The step is then compiled as well, which reports the compile time, the
+memory per device by XLA's memory analysis, and a step that does not fit the device's memory as
+the compiler's RESOURCE_EXHAUSTED error. That is MaxText's ahead-of-time compile check; it still
+measures no step time.
 """
 
 import collections
@@ -63,20 +66,61 @@ def kernel_calls(module_text: str) -> dict[str, int]:
   return dict(sorted(counts.items()))
 
 
-def topology_devices(name: str) -> list:
-  """The compile-only devices of a TPU slice ('v5e:2x2', 'v5e:16x16', 'v4:2x2x1', 'v5p:2x2x1',
-  'v6e:2x2'), made by libtpu on a machine without a TPU; a `UserError` that says how to get libtpu
-  or name a topology when it cannot."""
-  try:
-    from jax.experimental import topologies
+# GPUs to compile for without one, as XLA describes a GPU (its GpuTargetConfigProto, text format):
+# the vendor's public figures. Both are one Hopper die (132 SMs, compute capability 9.0, 50 MiB of
+# L2, 228 KiB of shared memory per SM); they differ in memory and its bandwidth. The cuDNN and
+# CUDA versions are those of `make gpu-libs`.
+GPU_PARTS = {
+    "h100": ("NVIDIA H100 80GB HBM3", 84_929_347_584, 3_352_320_000_000),
+    "h200": ("NVIDIA H200", 150_754_820_096, 4_800_000_000_000),
+}
+_HOPPER = """gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: {bandwidth} l2_cache_size: 52428800 clock_rate_ghz: 1.98 device_memory_size: {memory}
+  shared_memory_per_block_optin: 232448 cuda_compute_capability {{ major: 9 minor: 0 }}
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 }}
+runtime_version {{ major: 12 minor: 9 }}
+device_description_str: "{description}"
+"""
+TPU_EXAMPLES = "v5e:2x2, v5e:16x16, v4:2x2x1, v5p:2x2x1, v6e:2x2"
 
-    return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
-  except Exception as e:  # noqa: BLE001  (no libtpu, a bad name: both answered the same way)
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-    raise UserError(f"--topology {name}: {first}. Compiling for a TPU slice without one needs libtpu: `make "
-                    f"tpu-libs` installs it into .tpu-libs (beside the venv, not in it); then run with "
-                    f"PYTHONPATH=.tpu-libs JAX_PLATFORMS=cpu, and name a slice as GENERATION:SHAPE "
-                    f"(v5e:2x2, v5e:16x16, v4:2x2x1, v5p:2x2x1, v6e:2x2)") from None
+
+def topology_platform(name: str) -> str:
+  """'gpu' for a GPU part ('h100', 'h100:8' = 8 of them), 'tpu' for anything else (a slice)."""
+  return "gpu" if name.partition(":")[0].lower() in GPU_PARTS else "tpu"
+
+
+def topology_devices(name: str) -> list:
+  """The compile-only devices of a TPU slice ('v5e:2x2', 'v5e:16x16', ...; made by libtpu) or of
+  N GPUs of one host ('h100', 'h200:8'; made by JAX's CUDA plugin from `GPU_PARTS`), on a machine
+  that has neither; a `UserError` that says how to get the library or name a topology when it
+  cannot."""
+  from jax.experimental import topologies
+
+  platform = topology_platform(name)
+  try:
+    if platform == "tpu":
+      return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
+    part, _, count = name.lower().partition(":")
+    description, memory, bandwidth = GPU_PARTS[part]
+    config = _HOPPER.format(description=description, memory=memory, bandwidth=bandwidth)
+    return list(topologies.get_topology_desc(platform="cuda", target_config=config,
+                                             topology=f"1x1x{int(count or 1)}").devices)
+  except Exception as e:  # noqa: BLE001  (no library, a bad name: both answered the same way)
+    first = _first_line(e)
+    if platform == "tpu":
+      how = (f"Compiling for a TPU slice without one needs libtpu: `make tpu-libs` installs it into .tpu-libs "
+             f"(beside the venv, not in it); then run with PYTHONPATH=.tpu-libs JAX_PLATFORMS=cpu, and name a slice "
+             f"as GENERATION:SHAPE ({TPU_EXAMPLES}) or a GPU as {'|'.join(GPU_PARTS)}[:COUNT]")
+    else:
+      how = ("Compiling for a GPU without one needs JAX's CUDA plugin, CUDA and cuDNN: `make gpu-libs` installs them "
+             "into .gpu-libs (beside the venv); then run with PYTHONPATH=.gpu-libs JAX_PLATFORMS=cpu")
+    raise UserError(f"--topology {name}: {first}. {how}") from None
 
 
 def _first_line(e: Exception) -> str:
