@@ -82,10 +82,11 @@ $(TPU_LIBS)/.installed: $(VENV)/bin/activate
 tpu-libs: $(TPU_LIBS)/.installed
 
 # The TPU_* variables only keep libtpu from probing for a TPU VM's metadata (and warning that it
-# found none): no TPU is used.
+# found none), ALLOW_MULTIPLE_LIBTPU_LOAD lets two such compiles run at once (libtpu's lock file
+# guards a TPU, and none is used).
 tpu-compile: install tpu-libs
 	JAX_PLATFORMS=cpu PYTHONPATH=$(TPU_LIBS) TPU_SKIP_MDS_QUERY=1 TPU_WORKER_HOSTNAMES=localhost \
-	  TPU_ACCELERATOR_TYPE=v5litepod-4 $(PY) -m tfx.bench --suite accel --lower tpu --topology v5e:2x2 $(ARGS)
+	  TPU_ACCELERATOR_TYPE=v5litepod-4 ALLOW_MULTIPLE_LIBTPU_LOAD=1 $(PY) -m tfx.bench --suite accel --lower tpu --topology v5e:2x2 $(ARGS)
 
 # JAX's CUDA plugin with CUDA's compiler pieces and cuDNN (about 1.7 GB), beside the venv, for the
 # train steps compiled by XLA:GPU for an H100 or H200 on this machine, which has no GPU

@@ -115,7 +115,8 @@ def topology_devices(name: str) -> list:
     first = _first_line(e)
     if platform == "tpu":
       how = (f"Compiling for a TPU slice without one needs libtpu: `make tpu-libs` installs it into .tpu-libs "
-             f"(beside the venv, not in it); then run with PYTHONPATH=.tpu-libs JAX_PLATFORMS=cpu, and name a slice "
+             f"(beside the venv, not in it); then run with PYTHONPATH=.tpu-libs JAX_PLATFORMS=cpu (and "
+             f"ALLOW_MULTIPLE_LIBTPU_LOAD=1 to run two at once: `make tpu-compile` sets both), and name a slice "
              f"as GENERATION:SHAPE ({TPU_EXAMPLES}) or a GPU as {'|'.join(GPU_PARTS)}[:COUNT]")
     else:
       how = ("Compiling for a GPU without one needs JAX's CUDA plugin, CUDA and cuDNN: `make gpu-libs` installs them "
