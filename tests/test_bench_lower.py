@@ -87,6 +87,32 @@ def test_xla_attention_calls_no_kernel():
   assert target.backend() == "cpu"
 
 
+@pytest.mark.parametrize("length, kernel", [(29, "xla"), (30, "cudnn")])
+def test_cudnn_is_refused_for_odd_lengths_that_its_backward_pass_refuses(length, kernel):
+  # JAX's cuDNN wrapper accepts the forward call at an odd length with a mask and refuses only
+  # when the gradient is traced; tfx must choose XLA before that (T5 at rows of 128: 29 targets)
+  q = jnp.zeros((2, length, 4, 64), jnp.bfloat16)
+  mask = jnp.ones((2, 1, length, length), bool)
+
+  def loss(q):
+    return attention.dot_product_attention(q, q, q, mask=mask).astype(jnp.float32).sum()
+
+  with target.lowering_for("gpu"), attention.recorded_choices() as chosen:
+    lowered = jax.jit(jax.grad(loss)).trace(q).lower(lowering_platforms=("cuda",))
+  assert [impl for impl, _ in chosen] == [kernel]
+  if kernel == "xla":
+    assert chosen[0][1] == f"cuDNN refused: its backward pass needs even lengths with a mask or bias, got {length} x {length}"
+  assert bool(bench_lower.kernel_calls(lowered.as_text())) == (kernel == "cudnn")
+
+
+def test_t5_with_an_odd_target_length_lowers_for_gpu():
+  (result,) = bench_lower.lower_suite(ROOT, "gpu", tiny=True, batch_per_device=2, only=("t5_base",),
+                                      overrides=("data.seq_len=128",))  # 128 -> 29 targets
+  assert result["error"] is None, result["error"]
+  assert result["kernel_calls"] == {"cudnn backward": 1, "cudnn forward": 1}  # the encoder's self-attention
+  assert any("needs even lengths" in a for a in result["attention"])
+
+
 def test_kernel_calls_counts_call_sites_by_kernel():
   text = "\n".join([
       '%0 = stablehlo.custom_call @"__cudnn$fmhaScaleBiasSoftmax"(%a)',

@@ -421,6 +421,10 @@ def dot_product_attention(
       mask = jnp.broadcast_to(mask, (mask.shape[0], mask.shape[1], t, s))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = None
+    if impl == "cudnn" and (mask is not None or bias is not None) and (t % 2 or s % 2):
+      # JAX's cuDNN wrapper checks this only when it builds the backward pass, after it has
+      # accepted the forward call below: were it not refused here, the train step would not trace.
+      impl, why = "xla", f"cuDNN refused: its backward pass needs even lengths with a mask or bias, got {t} x {s}"
     if impl == "cudnn":
       try:
         # The mask stays exact; `is_causal` only lets cuDNN skip the key blocks above the diagonal.
