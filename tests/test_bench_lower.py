@@ -113,6 +113,12 @@ def test_t5_with_an_odd_target_length_lowers_for_gpu():
   assert any("needs even lengths" in a for a in result["attention"])
 
 
+def test_attention_dropout_names_the_path_it_takes():
+  result = lower_gpt2("gpu", "model.attention=auto", "model.attention_dropout=0.1")
+  assert result["attention"] == ["xla (model.attention_dropout=0.1: no fused kernel applies dropout)"]
+  assert result["kernel_calls"] == {}
+
+
 def test_kernel_calls_counts_call_sites_by_kernel():
   text = "\n".join([
       '%0 = stablehlo.custom_call @"__cudnn$fmhaScaleBiasSoftmax"(%a)',

@@ -69,6 +69,7 @@ class Attention(nn.Module):
     scale = d**-0.5 if cfg.scale_attention else 1.0
     dropout = cfg.attention_dropout if not self.deterministic else 0.0
     if dropout > 0.0:
+      ops.log_choice("xla", f"model.attention_dropout={dropout}: no fused kernel applies dropout")
       out = _reference_with_dropout(q, k, v, ops.dense_mask(mask), bias, scale, dropout, self.make_rng("dropout"))
     else:
       out = ops.dot_product_attention(q, k, v, mask=mask, bias=bias, scale=scale, implementation=cfg.attention)
