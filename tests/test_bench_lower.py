@@ -101,7 +101,8 @@ def test_cudnn_is_refused_for_odd_lengths_that_its_backward_pass_refuses(length,
     lowered = jax.jit(jax.grad(loss)).trace(q).lower(lowering_platforms=("cuda",))
   assert [impl for impl, _ in chosen] == [kernel]
   if kernel == "xla":
-    assert chosen[0][1] == f"cuDNN refused: its backward pass needs even lengths with a mask or bias, got {length} x {length}"
+    assert chosen[0][1] == ("cuDNN refused: its backward pass needs even lengths with a mask or bias, "
+                            f"got {length} x {length}")
   assert bool(bench_lower.kernel_calls(lowered.as_text())) == (kernel == "cudnn")
 
 
@@ -230,7 +231,7 @@ def test_every_family_compiles_for_tpu_on_a_three_axis_mesh_without_involuntary_
 
 
 @pytest.mark.skipif(not os.path.isdir(os.path.join(GPU_LIBS, "jax_plugins")),
-                    reason="JAX's CUDA plugin is not installed beside the venv (make gpu-libs, 1.7 GB; not part of make test)")
+                    reason="no CUDA plugin beside the venv (make gpu-libs, 1.7 GB; make test does not install it)")
 def test_tiny_gpt2_compiles_for_an_h100_on_a_cpu(tmp_path):
   out = tmp_path / "h100.json"
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([GPU_LIBS, ROOT])}

@@ -193,7 +193,8 @@ def lower_suite(root: str, platform: str, *, tiny: bool, batch_per_device: int, 
   count = len(devices) if devices else jax.device_count()
   runs = [(entry, entry.name, ()) for entry in bench_suite.SUITE if not only or entry.name in only]
   if depth and devices and (not only or "gpt2_small" in only):
-    runs += [(bench_suite.SUITE[0], f"gpt2_small@{n}", (f"model.num_layers={n}",)) for n in ((2, 8) if tiny else (12, 48))]
+    depths = (2, 8) if tiny else (12, 48)
+    runs += [(bench_suite.SUITE[0], f"gpt2_small@{n}", (f"model.num_layers={n}",)) for n in depths]
   results = []
   for entry, name, extra in runs:
     config = bench_suite.entry_config(entry, root, tiny=tiny, batch_size=batch_per_device * count,
@@ -213,7 +214,8 @@ def format_lowered(results: list[dict[str, Any]]) -> str:
     if r["error"]:
       lines.append(f"{head}: FAILED {r['error']}")
       continue
-    calls = ", ".join(f"{k} x{n}" for k, n in r["kernel_calls"].items()) or "no attention kernel called (XLA's attention)"
+    calls = (", ".join(f"{k} x{n}" for k, n in r["kernel_calls"].items())
+             or "no attention kernel called (XLA's attention)")
     done = f"lowered in {r['lower_s']:.1f} s"
     if r.get("compile_s") is not None:
       gib = lambda key: f"{r[key] / 2**30:.2f}"  # noqa: E731
