@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
 .PHONY: quickstart test test-slow test-all test-parity install install-dev install-parity bench-peer gpu-wheels tpu-libs \
-	tpu-compile gpu-libs gpu-compile clean
+	tpu-compile gpu-libs gpu-compile bench-peer-gpu clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -100,6 +100,11 @@ $(GPU_LIBS)/.installed: $(VENV)/bin/activate
 	touch $@
 
 gpu-libs: $(GPU_LIBS)/.installed
+
+# bench-peer's comparison compiled by XLA:GPU for an H100 here (no GPU): temporary memory and compile
+# time, tfx / HF, in bf16 (benchmarks/hf_flax/compile_peer.py).
+bench-peer-gpu: $(PEER_VENV)/.installed gpu-libs
+	JAX_PLATFORMS=cpu PYTHONPATH=$(GPU_LIBS) $(PEER_VENV)/bin/python benchmarks/hf_flax/compile_peer.py $(ARGS)
 
 gpu-compile: install gpu-libs
 	JAX_PLATFORMS=cpu PYTHONPATH=$(GPU_LIBS) $(PY) -m tfx.bench --suite accel --lower gpu --topology h100 $(ARGS)
