@@ -4,8 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: quickstart test test-slow test-all test-parity install install-dev install-parity bench-peer gpu-wheels tpu-libs \
-	tpu-compile gpu-libs gpu-compile bench-peer-gpu clean
+.PHONY: quickstart test test-slow test-all test-parity install install-dev install-parity bench-peer gpu-wheels \
+	tpu-libs tpu-compile gpu-libs gpu-compile bench-peer-gpu clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -72,11 +72,13 @@ gpu-wheels:
 
 # libtpu beside the venv, not in it (there jax would look for a TPU at every start), for the train
 # steps compiled for a TPU slice on this machine, which has none (tfx/bench_lower.py; a test uses
-# it). The version is the one jax[tpu] 0.10.2 requires. Extra arguments:
-# make tpu-compile ARGS="--topology v5e:16x16 --batch 8 --only gpt2_small".
+# it). The version is the one the installed jax's [tpu] extra requires (libtpu==0.0.42.* for jax
+# 0.10.2). Extra arguments: make tpu-compile ARGS="--topology v5e:16x16 --batch 8 --only gpt2_small".
 TPU_LIBS ?= .tpu-libs
-$(TPU_LIBS)/.installed: $(VENV)/bin/activate
-	$(PIP) install -q --no-deps --target $(TPU_LIBS) "libtpu==0.0.42.1"
+LIBTPU_OF_JAX := import importlib.metadata as m; \
+  print([r.split(";")[0] for r in m.requires("jax") if r.startswith("libtpu")][0])
+$(TPU_LIBS)/.installed: $(VENV)/.installed
+	$(PIP) install -q --no-deps --upgrade --target $(TPU_LIBS) "$$($(PY) -c '$(LIBTPU_OF_JAX)')"
 	touch $@
 
 tpu-libs: $(TPU_LIBS)/.installed
@@ -86,7 +88,8 @@ tpu-libs: $(TPU_LIBS)/.installed
 # guards a TPU, and none is used).
 tpu-compile: install tpu-libs
 	JAX_PLATFORMS=cpu PYTHONPATH=$(TPU_LIBS) TPU_SKIP_MDS_QUERY=1 TPU_WORKER_HOSTNAMES=localhost \
-	  TPU_ACCELERATOR_TYPE=v5litepod-4 ALLOW_MULTIPLE_LIBTPU_LOAD=1 $(PY) -m tfx.bench --suite accel --lower tpu --topology v5e:2x2 $(ARGS)
+	  TPU_ACCELERATOR_TYPE=v5litepod-4 ALLOW_MULTIPLE_LIBTPU_LOAD=1 \
+	  $(PY) -m tfx.bench --suite accel --lower tpu --topology v5e:2x2 $(ARGS)
 
 # JAX's CUDA plugin with CUDA's compiler pieces and cuDNN (about 1.7 GB), beside the venv, for the
 # train steps compiled by XLA:GPU for an H100 or H200 on this machine, which has no GPU

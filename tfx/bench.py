@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> None:
                            "here (tfx/bench_suite.py)")
   parser.add_argument("--tiny", action="store_true", help="with --suite: toy sizes (runs on a CPU in minutes)")
   parser.add_argument("--batch", type=int, default=None,
-                      help="with --suite: rows per device (default: the largest that fits, doubling from 4)")
+                      help="with --suite: rows per device (default: the largest that fits, doubling from 4; "
+                           "with --lower: 16)")
   parser.add_argument("--only", default="", help="with --suite: comma-separated model names (gpt2_small, ...)")
   parser.add_argument("--skip-depth", action="store_true",
                       help="with --suite: leave out GPT-2's compile time at 12 and 48 layers")
@@ -338,9 +339,12 @@ def main(argv: list[str] | None = None) -> None:
 
       settings = [f"{key.removeprefix('config.')}={v}" for v in values.split(",")] if args.sweep else [None]
       devices = bench_lower.topology_devices(args.topology) if args.topology else None
-      lowered = [dict(bench_lower.lower_step(config_lib.load_config(args.config, [*overrides, f"--config.{s}"])
-                                             if s else config, args.lower, devices), overrides=[s] if s else [])
-                 for s in settings]
+      configs = [config_lib.load_config(args.config, [*overrides, f"--config.{s}"]) if s else config for s in settings]
+      for c in configs:  # every swept value is checked before the first lowering
+        config_lib.validate(c, num_devices=len(devices) if devices else jax.device_count(),
+                            process_count=jax.process_count())
+      lowered = [dict(bench_lower.lower_step(c, args.lower, devices), overrides=[s] if s else [])
+                 for c, s in zip(configs, settings)]
       report(bench_lower.format_lowered(lowered), lowered, args.json)
       sys.exit(1 if any(r["error"] for r in lowered) else 0)
     if args.sweep:

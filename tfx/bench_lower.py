@@ -49,7 +49,7 @@ KERNEL_CALLS = (
     # XLA's SPMD partitioner expands into the cuDNN kernels when it compiles.
     (re.compile(r"^CustomSPMDPartitioning$"), "custom-partitioned (cuDNN on a mesh)"),
 )
-_CUSTOM_CALL = re.compile(r"custom_call @([\w$.]+)")
+_CUSTOM_CALL = re.compile(r'custom_call @"?([\w$.]+)')  # MLIR quotes a name only when it must
 
 
 def kernel_calls(module_text: str) -> dict[str, int]:
@@ -68,8 +68,9 @@ def kernel_calls(module_text: str) -> dict[str, int]:
 
 # GPUs to compile for without one, as XLA describes a GPU (its GpuTargetConfigProto, text format):
 # the vendor's public figures. Both are one Hopper die (132 SMs, compute capability 9.0, 50 MiB of
-# L2, 228 KiB of shared memory per SM); they differ in memory and its bandwidth. The cuDNN and
-# CUDA versions are those of `make gpu-libs`.
+# L2, 228 KiB of shared memory per SM); they differ in memory and its bandwidth. The cuDNN (9.8)
+# and CUDA (12.9) versions are the least the plugin's wheels accept; `make gpu-libs` installs
+# newer cuDNN libraries, which compile for it.
 GPU_PARTS = {
     "h100": ("NVIDIA H100 80GB HBM3", 84_929_347_584, 3_352_320_000_000),
     "h200": ("NVIDIA H200", 150_754_820_096, 4_800_000_000_000),
@@ -107,12 +108,16 @@ def topology_devices(name: str) -> list:
     if platform == "tpu":
       return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
     part, _, count = name.lower().partition(":")
+    if count and not (count.isdigit() and int(count) >= 1):
+      raise UserError(f"--topology {name}: the GPU count after ':' must be a positive whole number (h100:8)")
     description, memory, bandwidth = GPU_PARTS[part]
     config = _HOPPER.format(description=description, memory=memory, bandwidth=bandwidth)
     return list(topologies.get_topology_desc(platform="cuda", target_config=config,
                                              topology=f"1x1x{int(count or 1)}").devices)
+  except UserError:
+    raise
   except Exception as e:  # noqa: BLE001  (no library, a bad name: both answered the same way)
-    first = _first_line(e)
+    first = error_line(e)
     if platform == "tpu":
       how = (f"Compiling for a TPU slice without one needs libtpu: `make tpu-libs` installs it into .tpu-libs "
              f"(beside the venv, not in it); then run with PYTHONPATH=.tpu-libs JAX_PLATFORMS=cpu (and "
@@ -124,7 +129,8 @@ def topology_devices(name: str) -> list:
     raise UserError(f"--topology {name}: {first}. {how}") from None
 
 
-def _first_line(e: Exception) -> str:
+def error_line(e: Exception) -> str:
+  """'Type: first line of the message' (at most 300 characters) of an exception, for a report."""
   message = str(e).strip().splitlines()
   return f"{type(e).__name__}: {message[0] if message else ''}"[:300]
 
@@ -140,8 +146,9 @@ def _compiled_numbers(compiled) -> dict[str, Any]:
 
 
 def lower_step(config: ml_collections.ConfigDict, platform: str, devices: list | None = None) -> dict[str, Any]:
-  """Lowers the train step of `config` for `platform` ('gpu' or 'tpu'), and with `devices` (a TPU
-  topology's, `topology_devices`) also compiles it for them; never raises for a failure of the
+  """Lowers the train step of `config` for `platform` ('gpu' or 'tpu'), and with `devices` (a
+  topology's compile-only devices, `topology_devices`) also compiles it for them (the persistent
+  compilation cache off, so that the time is a compile's); never raises for a failure of the
   trace, the lowering or the compile (one that does not fit the device's memory included): the
   result's "error" says what failed.
 
@@ -167,14 +174,17 @@ def lower_step(config: ml_collections.ConfigDict, platform: str, devices: list |
       result["lower_s"] = time.perf_counter() - start
       result["kernel_calls"], result["module_bytes"] = kernel_calls(text), len(text)
       if devices:
-        start = time.perf_counter()
-        compiled = lowered.compile()
-        result["compile_s"] = time.perf_counter() - start
+        from tfx import bench
+
+        with bench.no_compilation_cache():
+          start = time.perf_counter()
+          compiled = lowered.compile()
+          result["compile_s"] = time.perf_counter() - start
         result.update(_compiled_numbers(compiled))
     except UserError:
       raise  # a bad config is the user's to fix, not a finding about the platform
     except Exception as e:  # noqa: BLE001  (the report's purpose: what fails there, fails here too)
-      result["error"] = _first_line(e)
+      result["error"] = error_line(e)
   result["attention"] = [f"{kernel} ({why})" for kernel, why in dict.fromkeys(chosen)]
   return result
 
@@ -183,7 +193,7 @@ def lower_suite(root: str, platform: str, *, tiny: bool, batch_per_device: int, 
                 overrides: tuple[str, ...] = (), devices: list | None = None, depth: bool = False
                 ) -> list[dict[str, Any]]:
   """`lower_step` of every suite model (tfx/bench_suite.py) with `overrides` after its own, on
-  `devices` (a TPU topology's: then compiled too) or this machine's. With `depth` and devices,
+  `devices` (a topology's compile-only devices: then compiled too) or this machine's. With `depth` and devices,
   also GPT-2-small compiled at 12 and at 48 scanned layers (2 and 8 with `tiny`): entries named
   gpt2_small@12, gpt2_small@48."""
   import jax

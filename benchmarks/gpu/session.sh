@@ -10,7 +10,7 @@
 #   attention    every model.attention kernel against the float32 reference             120 s
 #                (python -m tfx.check_attention)
 #   suite        the accelerator table: GPT-2-small, BERT-base, T5-base, XLNet-base at    300 s
-#                16 rows per device, then GPT-2's compile time at 12 and 48 layers
+#                32 rows per device, then GPT-2's compile time at 12 and 48 layers
 #   t5_128       T5-base at the issue's 128 x 512 (its 0.25 s goal)                        90 s
 #   kernels      GPT-2-small once per kernel (model.attention=cudnn,pallas,xla)           150 s
 #   loss_chunk   GPT-2-small with the output projection fused into the loss (0 / 256)     100 s

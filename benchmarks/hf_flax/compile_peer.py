@@ -1,8 +1,8 @@
 """tfx against Hugging Face's Flax models, both compiled by XLA:GPU for a GPU this machine lacks.
 
-    make gpu-libs bench-peer                         # once: the CUDA plugin beside the venvs, the peer venv
-    JAX_PLATFORMS=cpu PYTHONPATH=.gpu-libs benchmarks/.venv-peer/bin/python benchmarks/hf_flax/compile_peer.py \
-        [--topology h100] [--models gpt2,bert,t5] [--sizes base] [--json out.json]
+    make bench-peer-gpu ARGS="[--topology h100] [--models gpt2,bert,t5] [--sizes base,medium] [--json out.json]"
+    # = the peer venv and .gpu-libs (the CUDA plugin, CUDA's compiler pieces, cuDNN), then
+    JAX_PLATFORMS=cpu PYTHONPATH=.gpu-libs benchmarks/.venv-peer/bin/python benchmarks/hf_flax/compile_peer.py ...
 
 The same models and weights as `bench_peer.py` (tfx's initial weights exported with tfx's own
 converter and loaded into the HF Flax class, whose losses `bench_peer.py` checks equal on the CPU),
@@ -32,6 +32,7 @@ import numpy as np
 import bench_peer
 from bench_peer import SIZES, make_hf_step, shim_flax_t5, tfx_config
 from tfx import bench, bench_lower, bench_suite, parallel
+from tfx.bench_lower import error_line
 from tfx.convert import to_hf
 from tfx.ops import target
 from tfx.steps import init_state, state_shardings
@@ -48,7 +49,7 @@ def abstract_on(tree, device):
 
 def compile_seconds_and_temp(jitted, *args) -> tuple[float, int]:
   start = time.perf_counter()
-  with target.lowering_for("gpu"):
+  with target.lowering_for("gpu"), bench.no_compilation_cache():
     compiled = jitted.trace(*args).lower().compile()
   return time.perf_counter() - start, int(compiled.memory_analysis().temp_size_in_bytes)
 
@@ -119,7 +120,7 @@ def main(argv=None) -> None:
       try:
         results.append(run_one(model, size, devices, log))
       except Exception as e:  # noqa: BLE001  (XLA:GPU refusing one side's program: say so, go on)
-        failed.append(f"{model}/{size}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
+        failed.append(f"{model}/{size}: {error_line(e)}")
         log(f"FAILED {failed[-1]}")
   print("| model (HF class) | shape | temp MiB tfx / HF | ratio | compile s tfx / HF | ratio |\n"
         "|---|---|---:|---:|---:|---:|")
