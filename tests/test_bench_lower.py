@@ -216,6 +216,8 @@ def test_tiny_suite_compiles_for_a_tpu_slice_on_a_cpu(tmp_path):
     assert r["compile_s"] > 0
     assert 0 <= r["temp_bytes"] < r["device_bytes"] < 2**30  # a tiny model's step, arguments included
   assert "compiled for 4 x TPU v5 lite" in proc.stdout
+  # the tiny gpt2_small has 2 layers: gpt2_small@2 is the same step, reported from the same compile
+  assert results[1]["compile_s"] == results[0]["compile_s"] and results[2]["compile_s"] != results[0]["compile_s"]
 
   bad = run_with_libtpu("--config", os.path.join(ROOT, "configs", "tiny.py"), "--lower", "tpu", "--topology", "v5e")
   assert bad.returncode != 0

@@ -262,12 +262,20 @@ def mib(size: int | None, digits: int) -> str:
   return "n/a" if size is None else f"{size / 2**20:.{digits}f}"
 
 
+def swept_configs(config_path: str, overrides: list[str], key: str, values: list[str], *,
+                  num_devices: int | None = None) -> list[ml_collections.ConfigDict]:
+  """The config once per value of one field (e.g. model.remat), the rest unchanged; every value is validated
+  for `num_devices` (default: this machine's) before any of them is compiled."""
+  configs = [config_lib.load_config(config_path, [*overrides, f"--config.{key}={value}"]) for value in values]
+  for config in configs:
+    config_lib.validate(config, num_devices=num_devices or jax.device_count(), process_count=jax.process_count())
+  return configs
+
+
 def sweep(config_path: str, overrides: list[str], key: str, values: list[str], *, steps: int, warmup: int
           ) -> list[dict[str, Any]]:
   """`benchmark` once per value of one config field (e.g. model.remat), the rest unchanged."""
-  configs = [config_lib.load_config(config_path, [*overrides, f"--config.{key}={value}"]) for value in values]
-  for config in configs:  # every value is checked before the first one is compiled
-    config_lib.validate(config, num_devices=jax.device_count(), process_count=jax.process_count())
+  configs = swept_configs(config_path, overrides, key, values)
   return [dict(benchmark(config, steps=steps, warmup=warmup), sweep_key=key, sweep_value=value)
           for config, value in zip(configs, values)]
 
@@ -337,12 +345,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.lower:
       from tfx import bench_lower
 
-      settings = [f"{key.removeprefix('config.')}={v}" for v in values.split(",")] if args.sweep else [None]
       devices = bench_lower.topology_devices(args.topology) if args.topology else None
-      configs = [config_lib.load_config(args.config, [*overrides, f"--config.{s}"]) if s else config for s in settings]
-      for c in configs:  # every swept value is checked before the first lowering
-        config_lib.validate(c, num_devices=len(devices) if devices else jax.device_count(),
-                            process_count=jax.process_count())
+      count = len(devices) if devices else jax.device_count()
+      if args.sweep:
+        key = key.removeprefix("config.")
+        settings = [f"{key}={v}" for v in values.split(",")]
+        configs = swept_configs(args.config, overrides, key, values.split(","), num_devices=count)
+      else:
+        settings, configs = [None], [config]
+        config_lib.validate(config, num_devices=count, process_count=jax.process_count())
       lowered = [dict(bench_lower.lower_step(c, args.lower, devices), overrides=[s] if s else [])
                  for c, s in zip(configs, settings)]
       report(bench_lower.format_lowered(lowered), lowered, args.json)

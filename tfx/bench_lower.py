@@ -205,12 +205,16 @@ def lower_suite(root: str, platform: str, *, tiny: bool, batch_per_device: int, 
   if depth and devices and (not only or "gpt2_small" in only):
     depths = (2, 8) if tiny else (12, 48)
     runs += [(bench_suite.SUITE[0], f"gpt2_small@{n}", (f"model.num_layers={n}",)) for n in depths]
-  results = []
+  results, done = [], []  # done: (config as a dict, its result) of what was lowered already
   for entry, name, extra in runs:
     config = bench_suite.entry_config(entry, root, tiny=tiny, batch_size=batch_per_device * count,
                                       extra=(*overrides, *extra))
+    # gpt2_small@12 is gpt2_small itself at full size (@2 at tiny): its lowering is reused, not compiled twice
+    same = next((r for c, r in done if c == config.to_dict()), None)
+    lowered = dict(same) if same else lower_step(config, platform, devices)
+    done.append((config.to_dict(), lowered))
     results.append({"name": name, "overrides": list(overrides), "batch_size": config.train.batch_size,
-                    "seq_len": config.data.seq_len, **lower_step(config, platform, devices)})
+                    "seq_len": config.data.seq_len, **lowered})
   return results
 
 
