@@ -131,7 +131,7 @@ def get_config() -> ml_collections.ConfigDict:
   # ---------------------------------------------------------------- data
   c.data = ml_collections.ConfigDict()
   # 'stdlib' (the Python standard library's own source, offline everywhere),
-  # 'text:GLOB' (local .txt/.py/... files, or .jsonl / .jsonl.gz with a `text_field`),
+  # 'text:GLOB' (local .txt/.py/... files, .jsonl / .jsonl.gz or .parquet with a `text_field`),
   # 'hf:NAME[:CONFIG]' (a hub dataset through `datasets`, streamed; needs the network), or
   # 'prepared:DIR' (a token store made by `python -m tfx.prepare`; DIR local or gs://).
   # A raw source is prepared into WORKDIR/data/ by the first run and read from there after.

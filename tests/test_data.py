@@ -14,7 +14,6 @@ import pytest
 from tfx.data import (Corpus, DataPipeline, Tokenizer, build_tokenizer, load_documents,
                       tokenize_corpus)
 from tfx.data import sources as sources_lib
-from tfx.data import tokenizer as tokenizer_lib
 from tfx.data.pipeline import heldout_mask
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,6 +86,45 @@ def test_text_glob_reads_text_and_jsonl(tmp_path):
   assert other_field.documents == ["x"]
   assert load_documents(f"text:{tmp_path}/**/*", max_documents=2).documents == [
       "first file", "second file\n"]
+
+
+def test_parquet_rows_are_documents(tmp_path):
+  """A `.parquet` file is read a batch of rows at a time, only its text column (C4 / FineWeb style,
+  several row groups, a null and a blank row); its size for progress is the uncompressed columns'."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  texts = [f"row {i}: " + "words " * (i % 5 + 1) for i in range(2500)]
+  texts[3], texts[7] = None, "  \n"
+  table = pa.table({"id": list(range(2500)), "text": texts, "url": ["u"] * 2500})
+  pq.write_table(table, tmp_path / "shard-0.parquet", row_group_size=700)
+  _write(tmp_path / "notes.txt", "a plain file")
+  corpus = load_documents(f"text:{tmp_path}/*")
+  want = [t for t in texts if t is not None and t.strip()]
+  assert corpus.documents == ["a plain file", *want]
+  shard = tmp_path / "shard-0.parquet"
+  assert corpus.names[1] == f"{shard}#0" and corpus.names[4] == f"{shard}#4"  # row 3 is null
+  assert corpus.skipped == {"empty": 2}
+  assert sources_lib.source_bytes(f"text:{tmp_path}/*.parquet") > os.path.getsize(tmp_path / "shard-0.parquet")
+
+
+def test_bad_parquet_names_file_and_column(tmp_path):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  pq.write_table(pa.table({"content": ["some text"], "n": [1]}), tmp_path / "a.parquet")
+  with pytest.raises(ValueError, match=r"a\.parquet: has no column 'text'; its columns are \['content', 'n'\]"):
+    load_documents(f"text:{tmp_path}/a.parquet")
+  assert load_documents(f"text:{tmp_path}/a.parquet", text_field="content").documents == ["some text"]
+  with pytest.raises(ValueError, match=r"a\.parquet: column 'n' holds int64, expected strings"):
+    load_documents(f"text:{tmp_path}/a.parquet", text_field="n")
+  _write(tmp_path / "b.parquet", b"PAR1 this is not parquet at all")
+  with pytest.raises(ValueError, match=r"b\.parquet: not a readable Parquet file"):
+    load_documents(f"text:{tmp_path}/b.parquet")
+  whole = (tmp_path / "a.parquet").read_bytes()
+  _write(tmp_path / "c.parquet", whole[:len(whole) // 2])  # a cut-off download
+  with pytest.raises(ValueError, match=r"c\.parquet: not a readable Parquet file"):
+    load_documents(f"text:{tmp_path}/c.parquet")
 
 
 def test_glob_matching_nothing_names_the_glob(tmp_path):

@@ -386,6 +386,22 @@ def test_hub_source_is_streamed_into_the_same_store(tmp_path, prepared):
   assert len(stores["hub"]) > 5 and stores["hub"] == stores["text"]
 
 
+def test_parquet_source_gives_the_store_of_the_same_text(tmp_path, prepared, corpus_source):
+  """The corpus's documents as rows of two Parquet files (several row groups) prepare into the same
+  tokens as the text files they came from."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  documents = load_documents(corpus_source).documents
+  half = len(documents) // 2
+  for i, part in enumerate((documents[:half], documents[half:])):
+    pq.write_table(pa.table({"text": part}), tmp_path / f"part-{i}.parquet", row_group_size=7)
+  tokenizer = os.path.join(prepared[0], "tokenizer.model")
+  manifest = prepare(data_config(f"text:{tmp_path}/*.parquet"), str(tmp_path / "s"), tokenizer_path=tokenizer,
+                     progress=False)
+  assert manifest["content_checksum"] == prepared[1]["content_checksum"]
+
+
 def test_content_checksum_ignores_sharding_but_not_content(prepared, corpus_source, tmp_path):
   """Preparing the same corpus with other shard sizes changes the files' checksum but not the
   content checksum that checkpoints record; other text or another split changes it."""

@@ -6,7 +6,8 @@ Accepted forms (see :func:`load_documents`):
     (minus test packages), one document per file, sorted by relative path.
 - ``text:GLOB``: local files matched by ``glob.glob(GLOB, recursive=True)``.
     ``.jsonl`` / ``.json`` (and ``.jsonl.gz`` / ``.json.gz``) files are read as JSON lines (one
-    document per line, taken from ``text_field``); any other file is one document.
+    document per line, taken from ``text_field``), ``.parquet`` files one row at a time (the
+    ``text_field`` column, as FineWeb and the hub's Parquet exports ship); any other file is one document.
 - ``hf:NAME`` or ``hf:NAME:CONFIG``: the ``train`` split of a Hugging Face hub
     dataset (needs network access, or a warm local cache); ``tfx.prepare`` streams it.
 
@@ -34,6 +35,8 @@ _STDLIB_EXCLUDED_DIRS = frozenset(
     {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 )
 _JSON_LINES_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+_PARQUET_SUFFIX = ".parquet"
+_PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: a few MB of text, whatever the file's row groups
 
 
 @dataclasses.dataclass
@@ -43,7 +46,7 @@ class Corpus:
   Attributes:
       documents: the document texts, in a deterministic order.
       names: one name per document: a file path, ``PATH:LINE`` for a JSON-lines
-          record, or ``hf:NAME#index`` for a hub record.
+          record, ``PATH#ROW`` (from 0) for a Parquet row, or ``hf:NAME#index`` for a hub record.
       skipped: reason -> number of inputs skipped for that reason (``"empty"``,
           ``"undecodable"``).
       source: the source string the corpus was loaded from.
@@ -68,7 +71,7 @@ def load_documents(source: str, *, text_field: str = "text", max_documents: int 
 
   Args:
       source: ``"stdlib"``, ``"text:GLOB"`` or ``"hf:NAME[:CONFIG]"``.
-      text_field: the field holding the text in JSON-lines files and hub datasets.
+      text_field: the field holding the text in JSON-lines and Parquet files and hub datasets.
       max_documents: if > 0, keep only the first ``max_documents`` documents.
 
   Returns:
@@ -107,11 +110,12 @@ def iter_documents(source: str, *, text_field: str = "text", skipped: collection
   """Streams ``(name, text)`` for every non-empty document of a source, in a fixed order.
 
   Nothing is held in memory beyond one file (one line for JSON-lines files, which may be
-  gzip-compressed: ``.jsonl.gz``). The source form is checked before the first document.
+  gzip-compressed: ``.jsonl.gz``; 1024 rows for Parquet files). The source form is checked before the
+  first document.
 
   Args:
       source: ``"stdlib"``, ``"text:GLOB"`` or ``"hf:NAME[:CONFIG]"``.
-      text_field: the field holding the text in JSON-lines files and hub datasets.
+      text_field: the field holding the text in JSON-lines and Parquet files and hub datasets.
       skipped: a counter that receives the number of empty / undecodable inputs.
       streaming: ``hf:`` sources are streamed (``datasets``' ``streaming=True``: records arrive
           as they download, nothing is stored first) instead of downloaded whole.
@@ -134,9 +138,22 @@ def source_bytes(source: str) -> int | None:
   if source == "stdlib":
     return sum(os.path.getsize(p) for p in stdlib_files())
   if source.startswith("text:"):
-    return sum(os.path.getsize(p) for p in glob.glob(source[len("text:"):], recursive=True)
-               if os.path.isfile(p))
+    return sum(_file_bytes(p) for p in glob.glob(source[len("text:"):], recursive=True) if os.path.isfile(p))
   return None
+
+
+def _file_bytes(path: str) -> int:
+  """A file's size; for a Parquet file the uncompressed size of its columns, which is nearer to the text
+  it holds than the compressed file."""
+  if path.lower().endswith(_PARQUET_SUFFIX):
+    try:
+      import pyarrow.parquet as pq
+
+      meta = pq.ParquetFile(path).metadata
+      return sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups))
+    except Exception:  # noqa: BLE001  (a damaged file is named when it is read, not when progress is sized)
+      pass
+  return os.path.getsize(path)
 
 
 def stdlib_root() -> str:
@@ -215,6 +232,8 @@ def _read_glob_files(paths: list[str], text_field: str,
   for path in paths:
     if path.lower().endswith(_JSON_LINES_SUFFIXES):
       yield from _read_json_lines(path, text_field, skipped)
+    elif path.lower().endswith(_PARQUET_SUFFIX):
+      yield from _read_parquet(path, text_field, skipped)
     else:
       text = _read_text(path, skipped)
       if text is not None:
@@ -263,6 +282,42 @@ def _json_records(path: str, text_field: str, skipped: collections.Counter) -> I
         skipped["empty"] += 1
         continue
       yield f"{path}:{line_number}", value
+
+
+def _read_parquet(path: str, text_field: str, skipped: collections.Counter) -> Iterator[tuple[str, str]]:
+  """Yields ``(PATH#ROW, text)`` for each row of a Parquet file's ``text_field`` column, 1024 rows at a
+  time (only that column is read). A null or blank value counts as empty; a file that is not Parquet, a
+  missing column or one that does not hold strings is a ValueError naming the file."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  def damaged(e: Exception) -> ValueError:
+    return ValueError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e}); download it again, or "
+                      f"give it another suffix if it is not Parquet")
+
+  try:
+    parquet = pq.ParquetFile(path)
+  except (pa.ArrowException, OSError) as e:
+    raise damaged(e) from None
+  schema = parquet.schema_arrow
+  if text_field not in schema.names:
+    raise ValueError(f"{path}: has no column {text_field!r}; its columns are {schema.names}; set data.text_field "
+                     f"to the column that holds the text")
+  kind = schema.field(text_field).type
+  if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+    raise ValueError(f"{path}: column {text_field!r} holds {kind}, expected strings; set data.text_field to the "
+                     f"column that holds the text")
+  row = 0
+  try:
+    for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[text_field]):
+      for value in batch.column(0).to_pylist():  # [rows] of str | None
+        row += 1
+        if value is None or _is_blank(value):
+          skipped["empty"] += 1
+          continue
+        yield f"{path}#{row - 1}", value
+  except (pa.ArrowException, OSError) as e:
+    raise damaged(e) from None
 
 
 def _hub_offline_message(name: str, detail: str) -> str:
