@@ -382,6 +382,7 @@ def run(config: ml_collections.ConfigDict | None, from_workdir: str | None, task
     if log_due:
       finite = [m for m in host if not m["nonfinite"]] or host
       values = {k: float(np.mean([m[k] for m in finite])) for k in host[0] if k != "nonfinite"}
+      values["learning_rate"] = float(host[-1]["learning_rate"])  # the logged step's, as tfx.train logs it
       values["examples"] = values.pop("num_tokens")
       host, now = [], time.time()
       sec_per_step = (now - last_time) / (step - last_step) if step > last_step else None

@@ -320,14 +320,15 @@ def _loop(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress: 
   return {"step": step, "workdir": workdir, "state": state, "last_eval": eval_record, "experiment": exp}
 
 
-STEP_METRICS = ("grad_norm", "learning_rate", "num_tokens")  # one value per step, not a mean over its tokens
+STEP_METRICS = ("grad_norm", "num_tokens")  # one value per step, not a mean over its tokens
 
 
 def _train_values(host: list[dict]) -> dict[str, float]:
   """The metrics of the logged steps: the objective's (loss, accuracy, ...) weighted by each step's
   num_tokens, as evaluation and gradient accumulation weight them (an MLM step predicts a varying
-  number of tokens); grad_norm, learning_rate and num_tokens as plain means over the steps. Steps
-  skipped as non-finite are left out (and counted)."""
+  number of tokens); grad_norm and num_tokens as plain means over the steps; learning_rate as applied
+  at the window's last step, the step the record is logged at (a mean over a warmup window is no rate
+  that was ever applied). Steps skipped as non-finite are left out (and counted)."""
   finite = [m for m in host if not float(m["nonfinite"])]
   steps = finite or host
   weights = np.asarray([float(m["num_tokens"]) for m in steps])
@@ -335,7 +336,9 @@ def _train_values(host: list[dict]) -> dict[str, float]:
     weights = np.ones_like(weights)
   values = {k: float(np.mean([m[k] for m in steps]) if k in STEP_METRICS else
                      np.average([float(m[k]) for m in steps], weights=weights))
-            for k in host[0] if k != "nonfinite"}
+            for k in host[0] if k not in ("nonfinite", "learning_rate")}
+  if "learning_rate" in host[-1]:
+    values["learning_rate"] = float(host[-1]["learning_rate"])
   if len(finite) < len(host):
     values["skipped"] = float(len(host) - len(finite))
   return values
