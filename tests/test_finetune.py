@@ -9,6 +9,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -17,6 +18,7 @@ from tfx import finetune, train
 from tfx.config import load_config
 from tfx.metrics import Progress, read_metrics
 from tfx.models import ClassifierHead, build_classifier, build_model
+from tfx.steps import make_optimizer
 
 # A fine-tune that runs in seconds: 4 stdlib packages, rows of 32 tokens, 16 steps of 8 examples.
 SMOKE = ("finetune.stdlib_classes=4", "finetune.max_train_examples=120", "finetune.max_eval_examples=80",
@@ -196,6 +198,11 @@ def test_finetune_decoder_end_to_end(tmp_path, pretrained_decoder, monkeypatch):
   records = read_metrics(workdir)
   steps = lambda split: [r["step"] for r in records if r["split"] == split]
   assert steps("finetune") == steps("finetune_eval") == [4, 8, 12, 16] and steps("test") == [16]
+  # learning_rate is the rate the logged step applied (the optimizer's count is the step before it),
+  # not its window's mean: that would average warmup's rates into one never applied
+  _, schedule = make_optimizer(ml_collections.ConfigDict(json.loads(open(os.path.join(workdir, "config.json")).read())))
+  for r in (r for r in records if r["split"] == "finetune"):
+    assert r["learning_rate"] == pytest.approx(float(schedule(r["step"] - 1)), rel=1e-6), r
   evals = [r for r in records if r["split"] == "finetune_eval"]
   best = max(evals, key=lambda r: r["accuracy"])  # the first of the best (strict improvement)
   assert result["best_step"] == best["step"] and result["validation"]["accuracy"] == best["accuracy"]

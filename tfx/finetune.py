@@ -381,7 +381,7 @@ def run(config: ml_collections.ConfigDict | None, from_workdir: str | None, task
       host, pending = _read_checked(guard, host, pending, step), []
     if log_due:
       finite = [m for m in host if not m["nonfinite"]] or host
-      values = {k: float(np.mean([m[k] for m in finite])) for k in host[0] if k != "nonfinite"}
+      values = {k: float(np.mean([m[k] for m in finite])) for k in host[0] if k not in ("nonfinite", "learning_rate")}
       values["learning_rate"] = float(host[-1]["learning_rate"])  # the logged step's, as tfx.train logs it
       values["examples"] = values.pop("num_tokens")
       host, now = [], time.time()
