@@ -144,6 +144,21 @@ LEAKS = textwrap.dedent('''
 
 
     @dataclasses.dataclass(frozen=True)
+    class MisweightedTerms(CausalLM):
+      """Names two loss terms whose weighted sum is not its loss (the token mean counted twice)."""
+
+      def loss(self, model, params, batch, rng, *, train):
+        loss, m = super().loss(model, params, batch, rng, train=train)
+        return loss, dict(m, lm_loss=loss, rows=jnp.float32(batch["tokens"].shape[0]), aux=jnp.zeros(()))
+
+      def metric_counts(self):
+        return {"aux": "rows"}
+
+      def loss_terms(self):
+        return {"lm_loss": 2.0, "aux": 1.0}
+
+
+    @dataclasses.dataclass(frozen=True)
     class NoFamilies(CausalLM):
       families = ()
 
@@ -185,6 +200,7 @@ def _results(config_file: str, *overrides: str, family: str = ""):
     ("tiny.py", "RandomRowsLeak", "decoder", "target hidden from its own prediction", 3),
     ("tiny.py", "TrainOnlyLeak", "decoder", "train loss = eval loss (no dropout)", 1),
     ("tiny.py", "LossOnlyLeak", "decoder", "loss computed from predictions()", 1),
+    ("tiny.py", "MisweightedTerms", "decoder", "loss = sum of loss_terms()", 1),
 ])
 def test_planted_leaks_are_caught(leaks, config_file, cls, family, failing, keys, monkeypatch):
   """Each leak fails the check that names it. Leaks that show under any key are checked under one
@@ -199,7 +215,7 @@ def test_planted_leaks_are_caught(leaks, config_file, cls, family, failing, keys
   others = ["target hidden from its own prediction", "no hidden token seen (order, later targets)",
             "no prediction crosses a document", "loss computed from predictions()",
             "train loss = eval loss (no dropout)"]
-  if cls in ("TrainOnlyLeak", "LossOnlyLeak"):  # invisible to the information-flow checks
+  if cls in ("TrainOnlyLeak", "LossOnlyLeak", "MisweightedTerms"):  # invisible to the information-flow checks
     assert all(by_check[c].ok for c in others if c != failing), check_objective.table(list(by_check.values()))
 
 

@@ -39,13 +39,14 @@ def test_logged_window_weights_the_objectives_metrics_by_tokens():
   accuracy of all its tokens, as evaluation and gradient accumulation weight them; grad norm and
   the grad norm is a plain mean; the learning rate is the one applied at the window's last step (the
   step logged), even when that step was skipped; a non-finite step is left out and counted."""
+  from tfx.objectives import Objective, placeholder_ids
   from tfx.train import _train_values
 
   step = lambda loss, acc, n, norm, lr, bad=0.0: {"loss": np.float32(loss), "accuracy": np.float32(acc),
                                                   "num_tokens": np.float32(n), "grad_norm": np.float32(norm),
                                                   "learning_rate": np.float32(lr), "nonfinite": np.float32(bad)}
   values = _train_values([step(2.0, 0.5, 30, 1.0, 1e-4), step(4.0, 0.1, 10, 3.0, 2e-4),
-                          step(np.nan, 0.0, 20, np.nan, 3e-4, 1.0)])  # warming up
+                          step(np.nan, 0.0, 20, np.nan, 3e-4, 1.0)], Objective(placeholder_ids(8)))  # warming up
   assert values["loss"] == pytest.approx((2.0 * 30 + 4.0 * 10) / 40)
   assert values["accuracy"] == pytest.approx((0.5 * 30 + 0.1 * 10) / 40)
   assert values["grad_norm"] == pytest.approx(2.0) and values["num_tokens"] == pytest.approx(20.0)

@@ -316,8 +316,9 @@ def check_loss_is_predictions(s: Setup, predict: Callable) -> list[Result]:
   fam = s.config.model.family
   kwargs = {k: v for k, v in _extra(s).items() if k != "state"}  # predictions run from no state
   key = jax.random.key(8)
-  losses = {train: float(jax.jit(lambda p, b, k, train=train: s.objective.loss(
-      s.model, p, b, k, train=train, **kwargs)[0])(s.params, s.batch, key)) for train in (False, True)}
+  outs = {train: jax.device_get(jax.jit(lambda p, b, k, train=train: s.objective.loss(
+      s.model, p, b, k, train=train, **kwargs))(s.params, s.batch, key)) for train in (False, True)}
+  losses = {train: float(value) for train, (value, _) in outs.items()}
   expected = s.objective.loss_from_predictions(jax.device_get(predict(s.params, s.batch, key)))
   close = lambda a, b: abs(a - b) <= 1e-5 * max(abs(b), 1.0)
   if expected is None:
@@ -328,6 +329,7 @@ def check_loss_is_predictions(s: Setup, predict: Callable) -> list[Result]:
     out = [Result(fam, "loss computed from predictions()", ok, f"{losses[False]:.7g} vs {float(expected):.7g}" + (
         "" if ok else ": loss(train=False) is not computed from what predictions() shows, so the leak checks "
         "above did not see what trains"))]
+  out += _loss_terms_results(s.objective, fam, losses[False], outs[False][1], close)
   reason = s.objective.train_differs()
   ok = close(losses[True], losses[False])
   if reason and not ok:
@@ -337,6 +339,23 @@ def check_loss_is_predictions(s: Setup, predict: Callable) -> list[Result]:
                       + ("" if ok else ": loss(train=True) computes something else than the eval path that "
                          "predictions() shows; if that is by design, say why in train_differs()")))
   return out
+
+
+def _loss_terms_results(objective, fam: str, loss: float, metrics: dict, close: Callable) -> list[Result]:
+  """For a loss made of terms (`loss_terms`; none: no row): the loss is their weighted sum, and every
+  mean and count named is a metric, which gradient accumulation and the aggregates rely on."""
+  terms, counts = objective.loss_terms(), objective.metric_counts()
+  if not terms:
+    return []
+  missing = sorted({*terms, *counts, *counts.values()} - set(metrics))
+  if missing:
+    return [Result(fam, "loss = sum of loss_terms()", False, "loss_terms / metric_counts name metrics the loss does "
+                   f"not return: {', '.join(missing)}")]
+  total = sum(weight * float(metrics[name]) for name, weight in terms.items())
+  ok = close(loss, total)
+  return [Result(fam, "loss = sum of loss_terms()", ok, f"{loss:.7g} vs {total:.7g}" + (
+      "" if ok else ": the loss is not the weighted sum of its loss_terms(), so gradient accumulation would train "
+      "another loss"))]
 
 
 def _other_doc(src: int, q: int, row: int, raw: int, flat_segment: np.ndarray) -> bool:

@@ -18,7 +18,7 @@ import optax
 
 from tfx import parallel
 from tfx.data import DataPipeline
-from tfx.objectives import OBJECTIVE_PARAMS, Objective
+from tfx.objectives import OBJECTIVE_PARAMS, Objective, add_metrics, count_of, mean_metrics
 
 @flax.struct.dataclass
 class TrainState:
@@ -145,40 +145,55 @@ def objective_kwargs(objective, objective_state=None, frozen=None) -> dict:
 
 
 def _loss_and_grads(exp: Experiment, params, batch, rng, objective_state=None, frozen=None):
-  """Mean loss and its gradient, accumulated over `train.grad_accum` micro-batches weighted by their
-  `num_tokens`: exact for a one-term token mean (see tfx.objectives.base on composite losses).
+  """Mean loss and its gradient, accumulated over `train.grad_accum` micro-batches so that both are
+  the whole batch's: a micro-batch's gradient weighted by its share of num_tokens, or, for a loss
+  whose terms are means over different counts (`Objective.loss_terms`), each term scaled by the
+  whole batch's count of it (counted first, from the objective's inputs alone: the model's
+  forward pass in that count is dead code, which XLA removes).
 
   Returns (metrics, grads, next objective state).
   """
-  extra = objective_kwargs(exp.objective, objective_state, frozen)
-  loss_fn = lambda p, b, r: exp.objective.loss(exp.model, p, b, r, train=True, **extra)
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  objective = exp.objective
+  extra = objective_kwargs(objective, objective_state, frozen)
+  loss_fn = lambda p, b, r: objective.loss(exp.model, p, b, r, train=True, **extra)
   accum = exp.config.train.grad_accum
   if accum == 1:
-    (_, metrics), grads = grad_fn(params, batch, rng)
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
     metrics = dict(metrics)
     return metrics, grads, metrics.pop("state", None)
 
   # Micro-batch a takes rows a, a + accum, ...: each device keeps its own rows.
   micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, accum, *x.shape[1:]), 0, 1), batch)
+  micro_rngs = jax.vmap(lambda a: jax.random.fold_in(rng, a))(jnp.arange(accum))
+  terms = objective.loss_terms()
+  if terms:
+    term_counts = sorted({count_of(objective, name) for name in terms})
+    counts = jax.lax.map(lambda xs: {c: jax.lax.stop_gradient(loss_fn(params, *xs)[1][c]) for c in term_counts},
+                         (micro, micro_rngs))  # {count: [accum]}
+    totals = {c: jnp.maximum(jnp.sum(v), 1.0) for c, v in counts.items()}
+
+    def micro_loss(p, b, r):  # this micro-batch's share of the whole batch's loss
+      _, m = loss_fn(p, b, r)
+      count = lambda name: count_of(objective, name)
+      return sum(w * m[name] * m[count(name)] / totals[count(name)] for name, w in terms.items()), m
+  else:
+    micro_loss = loss_fn
+  grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
   def body(carry, xs):
     grads_sum, stats = carry
-    b, a = xs
-    (_, m), g = grad_fn(params, b, jax.random.fold_in(rng, a))
-    n = m["num_tokens"]
-    grads_sum = jax.tree.map(lambda s, gi: s + gi * n, grads_sum, g)
-    stats = {k: stats[k] + m[k] * (n if k != "num_tokens" else 1.0) for k in stats}
-    return (grads_sum, stats), None
+    (_, m), g = grad_fn(params, *xs)
+    scale = 1.0 if terms else m["num_tokens"]  # the plain mean's gradient is weighted here
+    grads_sum = jax.tree.map(lambda s, gi: s + gi * scale, grads_sum, g)
+    return (grads_sum, add_metrics(objective, stats, m)), None
 
   zeros = jax.tree.map(jnp.zeros_like, params)
-  stat_keys = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(lambda x: x[0], micro), rng)[0][1])
+  stat_keys = jax.eval_shape(lambda: loss_fn(params, *jax.tree.map(lambda x: x[0], (micro, micro_rngs)))[1])
   stats0 = {k: jnp.zeros((), jnp.float32) for k in stat_keys}
-  (grads_sum, stats), _ = jax.lax.scan(body, (zeros, stats0), (micro, jnp.arange(accum)))
-  n = jnp.maximum(stats["num_tokens"], 1.0)
-  grads = jax.tree.map(lambda g: g / n, grads_sum)
-  metrics = {k: (v / n if k != "num_tokens" else v) for k, v in stats.items()}
-  return metrics, grads, None  # stateful objectives run without accumulation (see validate)
+  (grads_sum, stats), _ = jax.lax.scan(body, (zeros, stats0), (micro, micro_rngs))
+  scale = 1.0 if terms else 1.0 / jnp.maximum(stats["num_tokens"], 1.0)
+  grads = jax.tree.map(lambda g: g * scale, grads_sum)
+  return mean_metrics(objective, stats), grads, None  # stateful objectives run without accumulation (see validate)
 
 
 def make_train_step(exp: Experiment, shardings):
@@ -266,20 +281,15 @@ def make_eval_step(exp: Experiment, shardings):
 
 
 def evaluate(exp: Experiment, eval_step, params, batches) -> dict[str, float]:
-  """Token-weighted mean of the eval metrics over the held-out batches."""
+  """The eval metrics over the held-out batches: each mean weighted by its count (num_tokens, or
+  the objective's own, `Objective.metric_counts`), counts summed."""
   totals: dict[str, float] = {}
-  count = 0.0
   carry = getattr(eval_step, "carry", False)
   state = eval_step.initial_state() if carry else None
   for batch in batches:
     out = eval_step(params, parallel.global_batch(batch, exp.mesh), *((state,) if carry else ()))
     out, state = out if carry else (out, None)
-    m = jax.device_get(out)
-    n = float(m["num_tokens"])
-    count += n
-    for k, v in m.items():
-      if k != "num_tokens":
-        totals[k] = totals.get(k, 0.0) + float(v) * n
-  out = {k: v / max(count, 1.0) for k, v in totals.items()}
-  out["num_tokens"] = count
-  return out
+    totals = add_metrics(exp.objective, totals, {k: float(v) for k, v in jax.device_get(out).items()})
+  if not totals:
+    return {"num_tokens": 0.0}
+  return {k: float(v) for k, v in mean_metrics(exp.objective, totals).items()}

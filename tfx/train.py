@@ -35,7 +35,7 @@ from tfx.guard import REWIND, Guard, NonFiniteError
 from tfx.lock import WorkdirLock
 from tfx.metrics import MetricsWriter, Progress
 from tfx.models import build_model
-from tfx.objectives import Objective, SpecialIds
+from tfx.objectives import Objective, SpecialIds, add_metrics, count_of, mean_metrics
 from tfx.registry import OBJECTIVES, file_sha256, load_builtins
 # The step's pieces and the run reader live in their own modules; re-exported here because
 # tfx.train is where scripts have always found them.
@@ -290,7 +290,7 @@ def _loop(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress: 
         continue
       host += fresh
     if log_due:
-      values = _train_values(host)
+      values = _train_values(host, exp.objective)
       host = []
       now = time.time()
       timed = step - last_step
@@ -320,23 +320,23 @@ def _loop(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress: 
   return {"step": step, "workdir": workdir, "state": state, "last_eval": eval_record, "experiment": exp}
 
 
-STEP_METRICS = ("grad_norm", "num_tokens")  # one value per step, not a mean over its tokens
-
-
-def _train_values(host: list[dict]) -> dict[str, float]:
-  """The metrics of the logged steps: the objective's (loss, accuracy, ...) weighted by each step's
-  num_tokens, as evaluation and gradient accumulation weight them (an MLM step predicts a varying
-  number of tokens); grad_norm and num_tokens as plain means over the steps; learning_rate as applied
-  at the window's last step, the step the record is logged at (a mean over a warmup window is no rate
-  that was ever applied). Steps skipped as non-finite are left out (and counted)."""
+def _train_values(host: list[dict], objective: Objective) -> dict[str, float]:
+  """The metrics of the logged steps: each mean over all the window's tokens (or the objective's own
+  count, `Objective.metric_counts`), as evaluation and gradient accumulation weight them (an MLM
+  step predicts a varying number of tokens); counts (num_tokens, ...) and grad_norm as plain means
+  over the steps; learning_rate as applied at the window's last step, the step the record is logged
+  at (a mean over a warmup window is no rate that was ever applied). Steps skipped as non-finite
+  are left out (and counted)."""
   finite = [m for m in host if not float(m["nonfinite"])]
   steps = finite or host
-  weights = np.asarray([float(m["num_tokens"]) for m in steps])
-  if not weights.sum():
-    weights = np.ones_like(weights)
-  values = {k: float(np.mean([m[k] for m in steps]) if k in STEP_METRICS else
-                     np.average([float(m[k]) for m in steps], weights=weights))
-            for k in host[0] if k not in ("nonfinite", "learning_rate")}
+  totals: dict = {}
+  for m in steps:
+    totals = add_metrics(objective, totals, {k: float(v) for k, v in m.items()
+                                             if k not in ("nonfinite", "learning_rate", "grad_norm")})
+  values = {k: float(v) / (len(steps) if count_of(objective, k) is None else 1.0)
+            for k, v in mean_metrics(objective, totals).items()}
+  if "grad_norm" in host[0]:
+    values["grad_norm"] = float(np.mean([float(m["grad_norm"]) for m in steps]))
   if "learning_rate" in host[-1]:
     values["learning_rate"] = float(host[-1]["learning_rate"])
   if len(finite) < len(host):

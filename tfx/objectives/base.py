@@ -9,10 +9,12 @@ calls the model, and returns the mean loss over predicted tokens with named metr
 
 `batch` holds `tokens`, `segment_ids` (0 = padding) and `positions`, [b, raw_length] int32
 each. `metrics` always has `loss`, `accuracy` and `num_tokens` (number of predicted tokens),
-which weights gradient accumulation's micro-batches: exact for a loss that is one mean over those
-tokens; a loss whose terms are means over different counts (MLM plus NSP / SOP's per-row term,
-ELECTRA's generator and discriminator, distillation's soft and hard terms) is approximated, as
-the micro-batches' count of each term differs from their num_tokens share.
+which weights gradient accumulation's micro-batches, evaluation's batches and a log window's
+steps. A loss whose terms are means over different counts (MLM plus NSP / SOP's per-row term,
+ELECTRA's generator and discriminator, distillation's soft and MLM terms) names them in
+`loss_terms` and their counts in `metric_counts` (each count a metric of its own): accumulation
+then scales each term by the whole batch's count of it, so that micro-batches give exactly the
+whole batch's loss and gradient, and every aggregate weights a mean by its own count.
 
 Stateful objectives (XLNet's memory over contiguous streams) set `stateful = True`, return
 their initial state from `init_state` (global-batch shaped, with logical axis names from
@@ -261,6 +263,20 @@ class Objective:
     return ops.weighted_cross_entropy(predictions.logits, predictions.targets, predictions.weights,
                                       z_loss=self.z_loss)[0]
 
+  def metric_counts(self) -> dict[str, str]:
+    """The metrics that are means over a count other than num_tokens, each with the metric holding
+    that count (a sum over the batch, as num_tokens is): e.g. {"sentence_loss": "sentence_rows"}.
+    Gradient accumulation, evaluation and the logged windows weight each mean by its own count
+    (`add_metrics`, `mean_metrics`); every other mean is weighted by num_tokens."""
+    return {}
+
+  def loss_terms(self) -> dict[str, float]:
+    """A loss that is a weighted sum of means over different counts: {mean metric: its weight},
+    with loss == sum(weight * metrics[name]). Gradient accumulation then scales each term of a
+    micro-batch by the whole batch's count of it, so that the accumulated gradient is the whole
+    batch's. Empty (the default): the loss is one mean over num_tokens."""
+    return {}
+
   def train_differs(self) -> str:
     """Why `loss(..., train=True)` may differ from `loss(..., train=False)` with dropout off
     ("" = it may not: `tfx.check_objective` then requires them equal, since `predictions` shows
@@ -270,6 +286,36 @@ class Objective:
   def initial_loss(self, vocab_size: int) -> float:
     """The loss expected from a random model (near-uniform logits): ln(vocabulary)."""
     return math.log(vocab_size)
+
+
+def count_of(objective: Objective, name: str) -> str | None:
+  """The metric holding the count `name` is a mean over; None when `name` is a count itself."""
+  counts = objective.metric_counts()
+  if name == "num_tokens" or name in counts.values():
+    return None
+  return counts.get(name, "num_tokens")
+
+
+def add_metrics(objective: Objective, totals: dict, metrics: dict) -> dict:
+  """`totals` plus one batch's scalar metrics: counts summed, each mean as its sum (the mean times
+  its count). Pure arithmetic, so it runs on host floats and on traced arrays alike; start from {}
+  (or zeros)."""
+  out = dict(totals)
+  for k, v in metrics.items():
+    count = count_of(objective, k)
+    v = v if count is None else v * metrics[count]
+    out[k] = out[k] + v if k in out else v
+  return out
+
+
+def mean_metrics(objective: Objective, totals: dict) -> dict:
+  """The metrics of `add_metrics`' totals: each mean over its own summed count (at least 1), counts
+  as summed, and a composite loss (`Objective.loss_terms`) recombined from its terms' means."""
+  out = {k: v if count_of(objective, k) is None else v / jnp.maximum(totals[count_of(objective, k)], 1.0)
+         for k, v in totals.items()}
+  if objective.loss_terms():
+    out["loss"] = sum(weight * out[name] for name, weight in objective.loss_terms().items())
+  return out
 
 
 def family_matches(family: str, families: tuple[str, ...]) -> bool:

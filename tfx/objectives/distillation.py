@@ -177,8 +177,14 @@ class Distillation(MaskedLM):
     cosine = jnp.sum((1.0 - cos) * real) / n
     loss = self.ce_weight * soft + self.mlm_weight * mlm_loss + self.cos_weight * cosine
     return loss, {"loss": loss, "accuracy": mlm["accuracy"], "num_tokens": jnp.sum(real), "soft_loss": soft,
-                  "mlm_loss": mlm_loss, "cos_loss": cosine,
+                  "mlm_loss": mlm_loss, "mlm_tokens": mlm["num_tokens"], "cos_loss": cosine,
                   "teacher_agreement": jnp.sum((jnp.argmax(s, -1) == jnp.argmax(t, -1)) * real) / n}
+
+  def metric_counts(self) -> dict[str, str]:
+    return {"mlm_loss": "mlm_tokens", "accuracy": "mlm_tokens"}  # the rest: real tokens (num_tokens)
+
+  def loss_terms(self) -> dict[str, float]:
+    return {"soft_loss": self.ce_weight, "mlm_loss": self.mlm_weight, "cos_loss": self.cos_weight}
 
   def predictions(self, model, params, batch, rng, *, frozen):
     """Every real token's student logits (the soft targets train them all): a selected token is

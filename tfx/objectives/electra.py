@@ -201,8 +201,14 @@ class Electra(Objective):
     correct = ((disc_logits > 0) == out["replaced"]).astype(jnp.float32)
     loss = mlm_loss + self.rtd_weight * rtd_loss
     return loss, {"loss": loss, "accuracy": jnp.sum(correct * real) / n, "num_tokens": jnp.sum(real),
-                  "mlm_loss": mlm_loss, "mlm_accuracy": mlm["accuracy"], "rtd_loss": rtd_loss,
-                  "replaced_rate": jnp.sum(labels * real) / n}
+                  "mlm_loss": mlm_loss, "mlm_accuracy": mlm["accuracy"], "mlm_tokens": mlm["num_tokens"],
+                  "rtd_loss": rtd_loss, "replaced_rate": jnp.sum(labels * real) / n}
+
+  def metric_counts(self) -> dict[str, str]:
+    return {"mlm_loss": "mlm_tokens", "mlm_accuracy": "mlm_tokens"}  # the rest: real tokens (num_tokens)
+
+  def loss_terms(self) -> dict[str, float]:
+    return {"mlm_loss": 1.0, "rtd_loss": self.rtd_weight}
 
   def predictions(self, model, params, batch, rng):
     """2t slots per row: slots [0, t) are the generator's MLM predictions of the selected tokens

@@ -156,7 +156,13 @@ class SentencePrediction(MaskedLM):
     correct = (jnp.argmax(sentence_logits, axis=-1) == row["label"]).astype(jnp.float32)
     loss = mlm_loss + self.sentence_weight * sentence_loss
     return loss, dict(mlm, loss=loss, mlm_loss=mlm_loss, sentence_loss=sentence_loss,
-                      sentence_accuracy=jnp.sum(correct * rows) / n)
+                      sentence_accuracy=jnp.sum(correct * rows) / n, sentence_rows=jnp.sum(rows))
+
+  def metric_counts(self) -> dict[str, str]:
+    return {"sentence_loss": "sentence_rows", "sentence_accuracy": "sentence_rows"}  # the rest: selected tokens
+
+  def loss_terms(self) -> dict[str, float]:
+    return {"mlm_loss": 1.0, "sentence_loss": self.sentence_weight}
 
   def predictions(self, model, params, batch, rng):
     """t + 1 slots per row: the MLM slots at the row's positions (source: the raw token placed
