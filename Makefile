@@ -35,19 +35,25 @@ quickstart: install
 # The suite on CPU (under 25 minutes on 2 cores); the sharding tests fake 8 devices themselves.
 # The long end-to-end tests (marked slow: mesh invariance after training on 4 meshes, multi-process,
 # fine-tuning over seeds, sweeps, fault injection) have their own target, and the parity suite its
-# own (it needs torch); CI runs all three.
+# own (it needs torch); CI runs all three. Test files run in parallel, one pytest-xdist worker per
+# usable core (nproc), at most 8 (TEST_WORKERS=0: one process); a file's tests stay on one worker,
+# so its module fixtures (compiled models) are built once, and the workers share one XLA compilation
+# cache (tests/conftest.py).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 8 ] && n=8; echo $$n)
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: install-dev tpu-libs
-	$(PY) -m pytest -q -m "not slow" tests --ignore=tests/parity
+	$(PYTEST) -m "not slow" tests --ignore=tests/parity
 
 test-slow: install-dev
-	$(PY) -m pytest -q -m slow tests --ignore=tests/parity
+	$(PYTEST) -m slow tests --ignore=tests/parity
 
 test-all: install-dev
-	$(PY) -m pytest -q tests --ignore=tests/parity
+	$(PYTEST) tests --ignore=tests/parity
 
 # Numerical parity with Hugging Face's PyTorch models (installs torch 2.13.0 and transformers).
 test-parity: install-parity
-	$(PY) -m pytest -q tests/parity
+	$(PYTEST) tests/parity
 
 # tfx against Hugging Face's Flax models side by side (benchmarks/hf_flax/bench_peer.py), in its own
 # venv: transformers 4.57.6 (the last with Flax models) cannot sit beside tfx's datasets/tokenizers.

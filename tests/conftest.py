@@ -6,10 +6,10 @@ import shutil
 import sys
 import tempfile
 
-# One persistent XLA compilation cache for the session, shared by this process and every subprocess
-# a test starts (they inherit the environment). The suite compiles the same small programs many
-# times: a resumed run compiles the step its first half compiled, the same tiny config trains in
-# several tests and subprocesses. A cache hit loads the executable XLA built for the same HLO,
+# One persistent XLA compilation cache for the session, shared by this process, pytest-xdist's
+# workers and every subprocess a test starts (they inherit the environment). The suite compiles
+# the same small programs many times: a resumed run compiles the step its first half compiled, the
+# same tiny config trains in several tests and subprocesses. A cache hit loads the executable XLA built for the same HLO,
 # compile options and XLA flags (all part of the key), so results are bitwise those of a fresh
 # compile. Set JAX_COMPILATION_CACHE_DIR yourself to keep (or disable, with an empty value) it.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
