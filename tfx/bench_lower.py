@@ -210,9 +210,10 @@ def lower_suite(root: str, platform: str, *, tiny: bool, batch_per_device: int, 
     config = bench_suite.entry_config(entry, root, tiny=tiny, batch_size=batch_per_device * count,
                                       extra=(*overrides, *extra))
     # gpt2_small@12 is gpt2_small itself at full size (@2 at tiny): its lowering is reused, not compiled twice
-    same = next((r for c, r in done if c == config.to_dict()), None)
+    as_dict = config.to_dict()
+    same = next((r for c, r in done if c == as_dict), None)
     lowered = dict(same) if same else lower_step(config, platform, devices)
-    done.append((config.to_dict(), lowered))
+    done.append((as_dict, lowered))
     results.append({"name": name, "overrides": list(overrides), "batch_size": config.train.batch_size,
                     "seq_len": config.data.seq_len, **lowered})
   return results

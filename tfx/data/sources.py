@@ -307,15 +307,14 @@ def _read_parquet(path: str, text_field: str, skipped: collections.Counter) -> I
   if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
     raise ValueError(f"{path}: column {text_field!r} holds {kind}, expected strings; set data.text_field to the "
                      f"column that holds the text")
-  row = 0
+  values = (value for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[text_field])
+            for value in batch.column(0).to_pylist())  # str | None per row, read a batch at a time
   try:
-    for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[text_field]):
-      for value in batch.column(0).to_pylist():  # [rows] of str | None
-        row += 1
-        if value is None or _is_blank(value):
-          skipped["empty"] += 1
-          continue
-        yield f"{path}#{row - 1}", value
+    for row, value in enumerate(values):
+      if value is None or _is_blank(value):
+        skipped["empty"] += 1
+        continue
+      yield f"{path}#{row}", value
   except (pa.ArrowException, OSError) as e:
     raise damaged(e) from None
 
