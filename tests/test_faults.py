@@ -273,6 +273,31 @@ def test_lock_heartbeat_survives_any_write_error_and_stops_the_run_past_the_time
   assert not (tmp_path / "tfx.lock").exists()
 
 
+def test_concurrent_beats_of_one_run_are_not_a_takeover(tmp_path):
+  """check() beats from the main thread while the heartbeat thread may be beating: two writes of
+  the same lease version at once must not make the run think another took its lease over."""
+  import threading
+  import time
+
+  from tfx.lock import LocalLease, WorkdirLock
+
+  class SlowLease(LocalLease):  # a write that takes a while (a slow disk, a GCS round trip)
+    def write(self, data, if_version):
+      time.sleep(0.05)
+      return super().write(data, if_version)
+
+  lock = WorkdirLock(str(tmp_path), timeout=600, lease=SlowLease(epath.Path(tmp_path) / "tfx.lock")).acquire()
+  beaters = [threading.Thread(target=lambda: [lock.beat() for _ in range(4)]) for _ in range(3)]
+  for t in beaters:
+    t.start()
+  for t in beaters:
+    t.join()
+  assert lock.lost is None and lock.failure is None
+  lock.check()
+  lock.release()
+  assert not (tmp_path / "tfx.lock").exists()
+
+
 def lock_races(workdir: str, contenders: int = 6) -> str:
   """The lease's compare-and-swap, on a local directory or a gs:// one: `contenders` threads race
   for a free lease, then for a stale one; exactly one wins each time and the others are refused

@@ -167,6 +167,10 @@ class WorkdirLock:
     self.failure = None  # the error of the last failed heartbeat, None after a success
     self._stop = threading.Event()
     self._thread = None
+    # One beat at a time: check() beats from the main thread while the heartbeat thread may be
+    # beating too, and two writes from the same version would make the second one a conflict
+    # (this run would think another took its lease over).
+    self._beating = threading.Lock()
     self.took_over = None  # the holder record of a stale lease this run took over
 
   def _record(self) -> bytes:
@@ -208,23 +212,27 @@ class WorkdirLock:
             f"last heartbeat {age:.0f} s ago")
 
   def beat(self) -> None:
-    """Renews the heartbeat once (the daemon thread's body); sets `lost` if the lease was taken."""
-    try:
-      self.version = self.lease.write(self._record(), self.version)
-    except Conflict:
+    """Renews the heartbeat once (the daemon thread's body, and check()'s last try); sets `lost` if
+    the lease was taken. Beats from the two threads run one after the other."""
+    with self._beating:
+      if self.lost is not None:
+        return
       try:
-        holder, _ = self.lease.read()  # who took it, for the message
-      except Exception:  # noqa: BLE001  (lost all the same)
-        holder = None
-      self.lost = holder or {}
-      self._stop.set()
-    except Exception as e:  # noqa: BLE001
-      # A full disk, a network blip, gcsfs's HttpError once its own retries are spent: the next
-      # beat tries again (the thread must not die), and check() stops the run if none succeeds
-      # within the timeout.
-      self.failure = e
-    else:
-      self.renewed, self.failure = time.time(), None
+        self.version = self.lease.write(self._record(), self.version)
+      except Conflict:
+        try:
+          holder, _ = self.lease.read()  # who took it, for the message
+        except Exception:  # noqa: BLE001  (lost all the same)
+          holder = None
+        self.lost = holder or {}
+        self._stop.set()
+      except Exception as e:  # noqa: BLE001
+        # A full disk, a network blip, gcsfs's HttpError once its own retries are spent: the next
+        # beat tries again (the thread must not die), and check() stops the run if none succeeds
+        # within the timeout.
+        self.failure = e
+      else:
+        self.renewed, self.failure = time.time(), None
 
   def check(self) -> None:
     """Raises LockError if another run took the lease over, or if this run could not renew it for

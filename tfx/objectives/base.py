@@ -311,7 +311,9 @@ def add_metrics(objective: Objective, totals: dict, metrics: dict) -> dict:
 def mean_metrics(objective: Objective, totals: dict) -> dict:
   """The metrics of `add_metrics`' totals: each mean over its own summed count (at least 1), counts
   as summed, and a composite loss (`Objective.loss_terms`) recombined from its terms' means."""
-  out = {k: v if count_of(objective, k) is None else v / jnp.maximum(totals[count_of(objective, k)], 1.0)
+  # on the host (floats, numpy scalars) no device op
+  at_least_one = lambda n: jnp.maximum(n, 1.0) if isinstance(n, jax.Array) else max(float(n), 1.0)
+  out = {k: v if count_of(objective, k) is None else v / at_least_one(totals[count_of(objective, k)])
          for k, v in totals.items()}
   if objective.loss_terms():
     out["loss"] = sum(weight * out[name] for name, weight in objective.loss_terms().items())
