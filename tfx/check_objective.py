@@ -138,6 +138,7 @@ class Setup:
   state: Any
   mesh: Any
   frozen: Any = None  # the objective's frozen inputs (a teacher), with frozen_inputs
+  jitted: dict = dataclasses.field(default_factory=dict)  # (train, with_state) -> the jitted loss (_loss)
 
 
 def build(config: ml_collections.ConfigDict, family: str, seed: int = 0, devices=None,
@@ -173,14 +174,16 @@ def _extra(s: Setup) -> dict[str, Any]:
   return objective_kwargs(s.objective, s.state, s.frozen)
 
 
-def _loss_fn(s: Setup) -> Callable:
-  extra = _extra(s)
-
-  def loss(params, batch, key):
-    value, metrics = s.objective.loss(s.model, params, batch, key, train=True, **extra)
-    return value, metrics["num_tokens"]
-
-  return loss
+def _loss(s: Setup, train: bool = True, with_state: bool = True) -> Callable:
+  """The objective's loss (params, batch, key) -> (value, metrics), jitted once per Setup and
+  setting, so that the checks that evaluate it share one compilation. `with_state=False` starts a
+  stateful objective from an empty state, as predictions() does."""
+  with_state = with_state and s.objective.stateful
+  if (train, with_state) not in s.jitted:
+    extra = {k: v for k, v in _extra(s).items() if with_state or k != "state"}
+    s.jitted[train, with_state] = jax.jit(
+        lambda params, batch, key: s.objective.loss(s.model, params, batch, key, train=train, **extra))
+  return s.jitted[train, with_state]
 
 
 # ----------------------------------------------------------------------------- checks
@@ -188,7 +191,7 @@ def _loss_fn(s: Setup) -> Callable:
 
 def check_compiles(s: Setup) -> list[Result]:
   """Static shapes under jit, no host callback, the same key gives the same loss bitwise."""
-  fam, loss = s.config.model.family, _loss_fn(s)
+  fam, loss = s.config.model.family, _loss(s)
   key = jax.random.key(1)
   try:
     jaxpr = jax.make_jaxpr(loss)(s.params, s.batch, key)
@@ -197,8 +200,7 @@ def check_compiles(s: Setup) -> list[Result]:
   found = sorted({p for p in _primitives(jaxpr.jaxpr) if any(c in p for c in CALLBACKS)})
   out = [Result(fam, "jit (static shapes)", True, "traced and compiled"),
          Result(fam, "no host callback", not found, ", ".join(found) or "none in the jaxpr")]
-  jitted = jax.jit(loss)
-  a, b = jax.device_get(jitted(s.params, s.batch, key)), jax.device_get(jitted(s.params, s.batch, key))
+  a, b = jax.device_get(loss(s.params, s.batch, key)), jax.device_get(loss(s.params, s.batch, key))
   same = np.array_equal(np.asarray(a[0]), np.asarray(b[0]))
   out.append(Result(fam, "same key, same loss", same, f"{float(a[0]):.7g}" + ("" if same else f" vs {float(b[0]):.7g}")))
   return out
@@ -228,7 +230,7 @@ def check_keys_and_initial_loss(s: Setup, predict: Callable) -> list[Result]:
                       "from the same context: the masks ignore the key"))
   else:
     out.append(Result(fam, "different keys, different masks", None, "deterministic objective (uses_rng = False)"))
-  value, _ = jax.jit(_loss_fn(s))(s.params, s.batch, jax.random.key(3))
+  value, _ = _loss(s)(s.params, s.batch, jax.random.key(3))
   expected = s.objective.initial_loss(VOCAB)
   ok = abs(float(value) - expected) <= 0.1 * expected
   out.append(Result(fam, "initial loss near expected", ok, f"{float(value):.4f} vs {expected:.4f}"
@@ -314,10 +316,8 @@ def check_loss_is_predictions(s: Setup, predict: Callable) -> list[Result]:
   `loss_from_predictions` of the predictions under the same key, and (dropout being off)
   loss(train=True) equals loss(train=False), unless the objective says why not (`train_differs`)."""
   fam = s.config.model.family
-  kwargs = {k: v for k, v in _extra(s).items() if k != "state"}  # predictions run from no state
-  key = jax.random.key(8)
-  outs = {train: jax.device_get(jax.jit(lambda p, b, k, train=train: s.objective.loss(
-      s.model, p, b, k, train=train, **kwargs))(s.params, s.batch, key)) for train in (False, True)}
+  key = jax.random.key(8)  # predictions run from no state
+  outs = {train: jax.device_get(_loss(s, train, with_state=False)(s.params, s.batch, key)) for train in (False, True)}
   losses = {train: float(value) for train, (value, _) in outs.items()}
   expected = s.objective.loss_from_predictions(jax.device_get(predict(s.params, s.batch, key)))
   close = lambda a, b: abs(a - b) <= 1e-5 * max(abs(b), 1.0)
@@ -375,7 +375,7 @@ def check_padding(s: Setup, predict: Callable) -> list[Result]:
   noisy = dict(s.batch, tokens=s.batch["tokens"].copy())
   pad = s.batch["segment_ids"] == 0
   noisy["tokens"][pad] = np.random.default_rng(5).integers(0, VOCAB, size=int(pad.sum()))
-  grad_fn = jax.jit(jax.value_and_grad(lambda p, b, k: _loss_fn(s)(p, b, k)[0]))
+  grad_fn = jax.jit(jax.value_and_grad(lambda p, b, k: _loss(s)(p, b, k)[0]))
   key = jax.random.key(9)
   (l1, g1), (l2, g2) = jax.device_get(grad_fn(s.params, s.batch, key)), jax.device_get(grad_fn(s.params, noisy, key))
   grads_same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)))
@@ -400,32 +400,36 @@ def check_relative_distance(s: Setup) -> list[Result]:
   if cfg.position != "relative":
     return []
   extra, key = _extra(s), jax.random.key(6)
-  # bias tables of unit scale (a random init's 0.02 would hide a wrong geometry in rounding)
+  # bias tables of unit scale (a random init's 0.02 would hide a wrong geometry in rounding), placed
+  # as the setup's own (the same input shardings: its compiled loss is reused)
   params = jax.tree_util.tree_map_with_path(
-      lambda path, x: jax.random.normal(jax.random.key(7), x.shape, x.dtype)
+      lambda path, x: jax.device_put(jax.random.normal(jax.random.key(7), x.shape, x.dtype), x.sharding)
       if "relative_bias" in jax.tree_util.keystr(path) else x, s.params)
   values = []
   for distance in ("columns", "positions"):
-    model = s.model.clone(cfg=dataclasses.replace(cfg, relative_distance=distance))
-    values.append(float(jax.jit(lambda p, b: s.objective.loss(model, p, b, key, train=True, **extra)[0])(
-        params, s.batch)))
+    if cfg.relative_distance == distance:
+      loss = _loss(s)  # the setup's own model: its compiled loss
+    else:
+      model = s.model.clone(cfg=dataclasses.replace(cfg, relative_distance=distance))
+      loss = jax.jit(lambda p, b, k, model=model: s.objective.loss(model, p, b, k, train=True, **extra))
+    values.append(float(loss(params, s.batch, key)[0]))
   ok = abs(values[0] - values[1]) <= 1e-5 * max(abs(values[1]), 1.0)
   detail = f"{values[0]:.7g} vs {values[1]:.7g}" + ("" if ok else (
       ": the objective's positions skip inside a segment; set model.relative_distance=positions for it"))
   return [Result(fam, "relative bias: columns = positions", ok, detail)]
 
 
-def check_mesh(config: ml_collections.ConfigDict, family: str, seed: int) -> Result:
-  """The loss on one device equals the loss on a (2, 2, 2) mesh of 8 devices."""
+def check_mesh(s: Setup, seed: int) -> Result:
+  """The loss on one device (the setup `s`) equals the loss on a (2, 2, 2) mesh of 8 devices."""
+  family = s.config.model.family
   if jax.device_count() < _DEVICES:
     return Result(family, "mesh invariance 1 vs 2x2x2", None,
                   f"needs {_DEVICES} devices (XLA_FLAGS=--xla_force_host_platform_device_count={_DEVICES})")
-  values = []
-  for shape, devices in (((1, 1, 1), jax.devices()[:1]), ((2, 2, 2), jax.devices()[:_DEVICES])):
-    s = build(config, family, seed, devices=devices, mesh_shape=shape)
-    with parallel.context(s.mesh):
-      value, _ = jax.jit(_loss_fn(s))(s.params, parallel.global_batch(s.batch, s.mesh), jax.random.key(4))
-    values.append(float(value))
+  key = jax.random.key(4)
+  values = [float(_loss(s)(s.params, s.batch, key)[0])]
+  wide = build(s.config, family, seed, devices=jax.devices()[:_DEVICES], mesh_shape=(2, 2, 2))
+  with parallel.context(wide.mesh):
+    values.append(float(_loss(wide)(wide.params, parallel.global_batch(wide.batch, wide.mesh), key)[0]))
   ok = abs(values[0] - values[1]) <= 1e-5 * max(abs(values[0]), 1.0)
   return Result(family, "mesh invariance 1 vs 2x2x2", ok, f"{values[0]:.7g} vs {values[1]:.7g}")
 
@@ -470,7 +474,7 @@ def _check_family(config, cls, family: str, seed: int) -> list[Result]:
   predict = jax.jit(lambda p, b, k: s.objective.predictions(s.model, p, b, k, **frozen))
   return [*check_compiles(s), *check_keys_and_initial_loss(s, predict), *check_information_flow(s, predict),
           *check_loss_is_predictions(s, predict), *check_padding(s, predict), *check_relative_distance(s),
-          check_mesh(config, family, seed)]
+          check_mesh(s, seed)]
 
 
 def table(results: list[Result]) -> str:
