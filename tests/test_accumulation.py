@@ -15,6 +15,7 @@ from tfx import parallel, steps
 from tfx.config import load_config
 from tfx.models import build_model
 from tfx.objectives import add_metrics, count_of, mean_metrics, placeholder_ids
+from tfx.objectives.distillation import Distillation
 from tfx.objectives.electra import Electra
 from tfx.objectives.sentence_prediction import NextSentencePrediction
 
@@ -39,11 +40,16 @@ def _setup(config_name, objective):
   tokens[segment_ids == 0] = IDS.pad
   positions = np.tile(np.arange(raw, dtype=np.int32), (ROWS, 1))
   batch = {"tokens": tokens, "segment_ids": segment_ids, "positions": positions}
-  return model, state.params, batch
+  frozen = objective.load_frozen(model, mesh) if objective.frozen_inputs else None  # a teacher
+  return model, state.params, batch, frozen
 
 
 CASES = {"nsp": ("nsp_tiny.py", NextSentencePrediction(ids=IDS, sentence_weight=3.0)),
-         "electra": ("electra_tiny.py", Electra(ids=IDS, rtd_weight=50.0))}
+         "electra": ("electra_tiny.py", Electra(ids=IDS, rtd_weight=50.0)),
+         # a random teacher of the student's shape (teacher=init), its soft and cosine terms over the real
+         # tokens and the MLM term over the selected ones
+         "distillation": ("distilbert_tiny.py", Distillation(ids=IDS, teacher="init", ce_weight=5.0, mlm_weight=40.0,
+                                                             cos_weight=1.0))}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -51,14 +57,15 @@ def test_accumulated_composite_loss_is_the_whole_batchs(case):
   """Reference: the whole batch's loss written out over the same micro-batches and keys (each
   term's sum over them divided by its total count), differentiated as one function."""
   config_name, objective = CASES[case]
-  model, params, batch = _setup(config_name, objective)
+  model, params, batch, frozen = _setup(config_name, objective)
+  kwargs = {"frozen": frozen} if frozen is not None else {}
   rng = jax.random.key(5)
   terms = objective.loss_terms()
   assert terms and len({count_of(objective, name) for name in terms}) == 2
 
   def micro_metrics(p):
     return [objective.loss(model, p, {k: v[a::ACCUM] for k, v in batch.items()}, jax.random.fold_in(rng, a),
-                           train=True)[1] for a in range(ACCUM)]
+                           train=True, **kwargs)[1] for a in range(ACCUM)]
 
   def reference(p):
     ms = micro_metrics(p)
@@ -76,7 +83,7 @@ def test_accumulated_composite_loss_is_the_whole_batchs(case):
                                                            jax.grad(by_tokens)(p)))(params)
   exp = types.SimpleNamespace(objective=objective, model=model,
                               config=types.SimpleNamespace(train=types.SimpleNamespace(grad_accum=ACCUM)))
-  metrics, grads, _ = jax.jit(lambda p: steps._loss_and_grads(exp, p, batch, rng))(params)
+  metrics, grads, _ = jax.jit(lambda p: steps._loss_and_grads(exp, p, batch, rng, frozen=frozen))(params)
   np.testing.assert_allclose(float(metrics["loss"]), float(ref_loss), rtol=1e-5)
   for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref_grads)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
