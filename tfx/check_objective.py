@@ -202,7 +202,8 @@ def check_compiles(s: Setup) -> list[Result]:
          Result(fam, "no host callback", not found, ", ".join(found) or "none in the jaxpr")]
   a, b = jax.device_get(loss(s.params, s.batch, key)), jax.device_get(loss(s.params, s.batch, key))
   same = np.array_equal(np.asarray(a[0]), np.asarray(b[0]))
-  out.append(Result(fam, "same key, same loss", same, f"{float(a[0]):.7g}" + ("" if same else f" vs {float(b[0]):.7g}")))
+  detail = f"{float(a[0]):.7g}" + ("" if same else f" vs {float(b[0]):.7g}")
+  out.append(Result(fam, "same key, same loss", same, detail))
   return out
 
 
