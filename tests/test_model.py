@@ -24,7 +24,7 @@ def make_model(*overrides, length=16, shapes_only=False):
                     *overrides)
   model = build_model(cfg.model, vocab_size=IDS.vocab_size, max_length=length)
   init = functools.partial(model.init, jax.random.key(0), **type(model).init_inputs(1, length))
-  params = nn.unbox((jax.eval_shape(init) if shapes_only else init())["params"])
+  params = nn.unbox((jax.eval_shape(init) if shapes_only else jax.jit(init)())["params"])  # one compile, not op by op
   return model, params
 
 
@@ -56,7 +56,7 @@ def test_logits_depend_only_on_the_past_of_the_same_document(variant):
   model, params = make_model(*variant)
   rng = np.random.default_rng(0)
   tokens, seg, pos = (a[None] for a in packed_row(rng, [5, 7, 2], 16))  # 2 pad tokens at the end
-  perturb = jax.tree.map(jnp.zeros_like, model.init(jax.random.key(0), tokens, seg, pos)["perturbations"])
+  perturb = jax.tree.map(jnp.zeros_like, jax.eval_shape(model.init, jax.random.key(0), tokens, seg, pos)["perturbations"])
 
   @jax.jit
   def jacobian(eps):

@@ -298,10 +298,10 @@ def test_weight_decay_skips_biases_and_norm_scales(scan):
   config = tiny_config(f"--config.model.scan_layers={scan}", "--config.optim.warmup_steps=0",
                        "--config.optim.weight_decay=0.5")
   model = build_model(config.model, vocab_size=config.data.vocab_size, max_length=16)
-  params = nn.unbox(model.init(jax.random.key(0), **type(model).init_inputs(1, 16))["params"])
-  params = jax.tree.map(lambda p: p + 1.0, params)  # biases are 0 at init: decay would not show
+  init = jax.jit(lambda key: nn.unbox(model.init(key, **type(model).init_inputs(1, 16))["params"]))
+  params = jax.tree.map(lambda p: p + 1.0, init(jax.random.key(0)))  # biases are 0 at init: decay would not show
   tx, _ = make_optimizer(config)
-  updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  updates, _ = jax.jit(lambda p: tx.update(jax.tree.map(jnp.zeros_like, p), tx.init(p), p))(params)
   moved = {jax.tree_util.keystr(k): bool(jnp.any(u != 0)) for k, u in jax.tree_util.tree_leaves_with_path(updates)}
   assert moved and all(v == (k.endswith("['kernel']") or k.endswith("['embedding']")) for k, v in moved.items()), moved
 
