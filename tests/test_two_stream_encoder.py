@@ -161,10 +161,11 @@ def test_slots_permute_and_padding_is_inert():
   # Permuting the slots permutes the logits.
   perm = np.asarray([3, 4, 0, 2, 1])
   np.testing.assert_allclose(run(mapping[:, perm]), base[:, perm], rtol=1e-6, atol=1e-6)
-  # More padded slots: finite, and the other slots are unchanged.
+  # More padded slots: finite, and the other slots are unchanged (to float32 rounding: the matmuls
+  # over 8 slots instead of 5 may sum in another order; 1.5e-6 at logits of 0.4 was seen).
   more = run(jnp.concatenate([mapping, jnp.zeros((B, 3, T))], 1))
   assert np.all(np.isfinite(more))
-  np.testing.assert_allclose(more[:, :5], base, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(more[:, :5], base, rtol=1e-5, atol=1e-6)
   # Dropout (train=True) runs, stays finite and changes the logits.
   train = run(mapping, train=True, rng=jax.random.key(1))
   assert np.all(np.isfinite(train)) and np.abs(train - base).max() > 1e-4
