@@ -49,10 +49,12 @@ def test_nonfinite_stop_saves_nothing_bad(tmp_path, shared_tokenizer):
 @pytest.mark.slow
 def test_nonfinite_skip_drops_exactly_that_update(tmp_path, shared_tokenizer):
   """skip: the poisoned step 3 leaves the parameters exactly as step 2 left them, is counted, and the
-  run goes on to the end with finite parameters."""
-  skipped = train.run(small(shared_tokenizer, "--config.train.poison_step=3", "--config.train.on_nonfinite=skip",
-                            "--config.train.stop_after=3"), str(tmp_path / "skip"))
-  two = train.run(small(shared_tokenizer, "--config.train.stop_after=2"), str(tmp_path / "two"))
+  run goes on to the end with finite parameters. (Both runs compile the same poisonable step: a
+  step without the hook is another program, whose rounding may differ in the last bit, which Adam
+  turns into a visible change of a parameter whose gradient is rounding noise.)"""
+  poisoned = ("--config.train.poison_step=3", "--config.train.on_nonfinite=skip")
+  skipped = train.run(small(shared_tokenizer, *poisoned, "--config.train.stop_after=3"), str(tmp_path / "skip"))
+  two = train.run(small(shared_tokenizer, *poisoned, "--config.train.stop_after=2"), str(tmp_path / "two"))
   jax.tree.map(np.testing.assert_array_equal, params_of(skipped), params_of(two))
   [record] = events(str(tmp_path / "skip"), "nonfinite_skipped")
   assert record["steps"] == [3] and record["total_skipped"] == 1
