@@ -56,7 +56,8 @@ def test_logits_depend_only_on_the_past_of_the_same_document(variant):
   model, params = make_model(*variant)
   rng = np.random.default_rng(0)
   tokens, seg, pos = (a[None] for a in packed_row(rng, [5, 7, 2], 16))  # 2 pad tokens at the end
-  perturb = jax.tree.map(jnp.zeros_like, jax.eval_shape(model.init, jax.random.key(0), tokens, seg, pos)["perturbations"])
+  shapes = jax.eval_shape(model.init, jax.random.key(0), tokens, seg, pos)  # traced only: no compile
+  perturb = jax.tree.map(jnp.zeros_like, shapes["perturbations"])
 
   @jax.jit
   def jacobian(eps):

@@ -27,7 +27,8 @@ def _cfg(**kw) -> ModelConfig:
 @functools.lru_cache(maxsize=None)
 def _init(cfg: ModelConfig, seed: int = 0):
   """Params with every tensor random (norm scales / biases and r_*_bias included)."""
-  params = jax.jit(lambda key: nn.unbox(XLNet(cfg).init(key, **XLNet.init_inputs(1, 4))["params"]))(jax.random.key(seed))
+  init = jax.jit(lambda key: nn.unbox(XLNet(cfg).init(key, **XLNet.init_inputs(1, 4))["params"]))  # one compile
+  params = init(jax.random.key(seed))
   leaves, tree = jax.tree_util.tree_flatten(params)
   noise = np.random.default_rng(seed).standard_normal(sum(x.size for x in leaves)).astype(np.float32)
   out, k = [], 0
@@ -96,8 +97,9 @@ def test_information_flow_under_a_permutation():
   z = np.stack([rng.permutation(t) for _ in range(b)])
   content, query = _perm_masks(z, m)
   mems = jax.random.normal(jax.random.key(3), (L, b, m, E))
-  perts = jax.tree.map(jnp.zeros_like, nn.unbox(jax.eval_shape(
-      model.init, jax.random.key(0), tokens, types, content, query, jnp.eye(t)[None].repeat(b, 0), mems)["perturbations"]))
+  shapes = jax.eval_shape(model.init, jax.random.key(0), tokens, types, content, query,
+                          jnp.eye(t)[None].repeat(b, 0), mems)  # traced only: no compile
+  perts = jax.tree.map(jnp.zeros_like, nn.unbox(shapes["perturbations"]))
   mapping = jnp.broadcast_to(jnp.eye(t), (b, t, t))  # prediction slot i = position i
   proj = jax.random.normal(jax.random.key(4), (V,))
 
