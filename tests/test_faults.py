@@ -4,7 +4,6 @@ SIGKILLs at random moments, is scripts/faults_long.py."""
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 

@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -180,8 +179,6 @@ def test_cli_reports_bad_config_without_traceback(tmp_path):
 # A stateful objective: causal LM that also counts, per stream, the tokens it has predicted.
 # The count lives in the objective state, so a resume that lost it would change the metrics.
 import dataclasses  # noqa: E402
-
-import jax.numpy as jnp  # noqa: E402
 
 from tfx.objectives.causal_lm import CausalLM  # noqa: E402
 from tfx.registry import OBJECTIVES  # noqa: E402
