@@ -21,10 +21,11 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 # The suite's time is mostly XLA:CPU compiling small programs, and most of that is LLVM's code
 # generation: at backend optimisation level 0 and with the loop emitters instead of the fusion
 # emitters, the tiny T5's loss and gradient compiles in 2.6 s instead of 10 s (the tiny decoder's in
-# 0.6 s instead of 2.8 s) and runs in 44 ms instead of 25. The program is partitioned as always; XLA:CPU
-# fuses somewhat differently (the tiny decoder's gradient: 179 fusions instead of 204, temporary memory
-# +0.006%, cost-analysis FLOPs -0.03%) and its machine code is less optimised. The flags are inherited by the subprocesses tests start (tfx.launch local sets its own XLA_FLAGS, on
-# both sides of its comparison). TFX_TEST_XLA_OPT=1 runs the suite with XLA's default code generation.
+# 0.6 s instead of 2.8 s) and runs in 44 ms instead of 25. The program is partitioned as always;
+# XLA:CPU fuses somewhat differently (the tiny decoder's gradient: 179 fusions instead of 204,
+# temporary memory +0.006%, cost-analysis FLOPs -0.03%) and its machine code is less optimised.
+# The flags are inherited by the subprocesses tests start (tfx.launch local sets its own
+# XLA_FLAGS, on both sides of its comparison). TFX_TEST_XLA_OPT=1: XLA's default code generation.
 TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 if os.environ.get("TFX_TEST_XLA_OPT", "0") != "1" and "xla_backend_optimization_level" not in os.environ.get(
     "XLA_FLAGS", ""):
