@@ -51,7 +51,7 @@ def test_session_runs_every_step_and_writes_its_results(tmp_path):
   assert "ml_collections from " in env_log and package not in env_log  # the unpacked wheel came first
 
   checked = json.loads((out / "attention.json").read_text())
-  assert len(checked) >= 28 and all(row["ok"] for row in checked)
+  assert len(checked) >= 20 and all(row["ok"] for row in checked)
   suite = json.loads((out / "suite.json").read_text())
   assert [m["name"] for m in suite["models"]] == ["gpt2_small", "bert_base", "t5_base", "xlnet_base"]
   assert all(m["batch_size"] == 2 for m in suite["models"]) and sorted(suite["compile_layers"]) == ["2", "8"]
@@ -59,10 +59,10 @@ def test_session_runs_every_step_and_writes_its_results(tmp_path):
   assert [m["name"] for m in t5["models"]] == ["t5_base"] and t5["models"][0]["batch_size"] == 4
   assert t5["compile_layers"] == {}
   kernels = json.loads((out / "kernels.json").read_text())
-  assert [r["overrides"] for r in kernels["runs"]] == [[f"model.attention={k}"] for k in ("cudnn", "pallas", "xla")]
+  assert [r["overrides"] for r in kernels["runs"]] == [[f"model.attention={k}"] for k in ("pallas", "xla")]
   assert all(len(r["models"]) == 1 and r["compile_layers"] == {} for r in kernels["runs"])
   chunks = json.loads((out / "loss_chunk.json").read_text())
-  assert [r["overrides"] for r in chunks["runs"]] == [["model.loss_chunk=0"], ["model.loss_chunk=256"]]
+  assert [r["overrides"] for r in chunks["runs"]] == [["model.loss_chunk=256"]]
 
 
 def test_an_unknown_step_is_refused(tmp_path):

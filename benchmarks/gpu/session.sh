@@ -7,13 +7,15 @@
 # Steps (all of them, in this order, when none is named), each under its own time limit so that
 # one that hangs or fails leaves the next its time:
 #   env          python, jax and its devices, nvidia-smi                                     30 s
-#   attention    every model.attention kernel against the float32 reference             120 s
+#   attention    a GPU's model.attention kernels (auto cudnn pallas xla) against float32   120 s
 #                (python -m tfx.check_attention)
 #   suite        the accelerator table: GPT-2-small, BERT-base, T5-base, XLNet-base at    300 s
 #                32 rows per device, then GPT-2's compile time at 12 and 48 layers
 #   t5_128       T5-base at the issue's 128 x 512 (its 0.25 s goal)                        90 s
-#   kernels      GPT-2-small once per kernel (model.attention=cudnn,pallas,xla)           150 s
-#   loss_chunk   GPT-2-small with the output projection fused into the loss (0 / 256)     100 s
+#   kernels      GPT-2-small with model.attention=pallas, then xla (the suite's row is   150 s
+#                cuDNN, the default on a GPU: same batch, same machine)
+#   loss_chunk   GPT-2-small with the output projection fused into the loss (256 tokens  100 s
+#                a chunk; the suite's row is without)
 # The batch is fixed (32 rows) rather than searched: the suite's search compiles each model up to
 # seven times, more than one device session holds. 32 rows fit an H100 with room: compiled for one
 # here (`make gpu-compile`), every model's step at 64 rows fits (XLNet's the largest, 57 GiB) and
@@ -21,6 +23,8 @@
 # call; `kernels loss_chunk` a second one.
 # Each step writes OUT/<step>.log and OUT/<step>.json; the last lines printed are
 # OUT/summary.txt, each step's exit status and seconds (124: over its limit).
+# TFX_GPU_ARCHIVE=FILE: after each step, OUT is also packed into FILE (.tgz), so that a call killed at
+# its limit still returns the finished steps as one file (a device call returns at most 8 files).
 # TFX_GPU_TINY=1: every step at toy sizes, on whatever device (tests/test_gpu_session.py, on a CPU).
 set -u
 [ $# -ge 1 ] || { echo "usage: $0 OUT [STEP ...]" >&2; exit 2; }
@@ -65,6 +69,9 @@ run() {  # run NAME LIMIT_SECONDS COMMAND...
   printf '%-11s rc=%-4s %4ss of %ss\n' "$name" "$rc" "$(( SECONDS - start ))" "$limit" >> "$out/summary.txt"
   echo "== $name (rc=$rc)"
   tail -n 20 "$out/$name.log"
+  if [ -n "${TFX_GPU_ARCHIVE:-}" ]; then
+    tar -czf "$TFX_GPU_ARCHIVE.part" -C "$out" . && mv "$TFX_GPU_ARCHIVE.part" "$TFX_GPU_ARCHIVE"
+  fi
 }
 
 bench=("$py" -m tfx.bench --suite accel "${size[@]}")
@@ -74,12 +81,13 @@ for step in "${steps[@]}"; do
 print(sys.version); print(\"jax\", jax.__version__, jax.devices()); print(\"flax\", flax.__version__, \"optax\", optax.__version__)
 print(\"ml_collections from\", ml_collections.__file__)'
            nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true" ;;
-    attention) run attention 120 "$py" -m tfx.check_attention "${check[@]}" --json "$out/attention.json" ;;
+    attention) run attention 120 "$py" -m tfx.check_attention --implementations auto,cudnn,pallas,xla "${check[@]}" \
+                 --json "$out/attention.json" ;;
     suite) run suite 300 "${bench[@]}" --json "$out/suite.json" ;;
     t5_128) run t5_128 90 "${bench[@]}" --only t5_base --skip-depth "${t5[@]}" --json "$out/t5_128.json" ;;
-    kernels) run kernels 150 "${bench[@]}" --only gpt2_small --skip-depth --sweep model.attention=cudnn,pallas,xla \
+    kernels) run kernels 150 "${bench[@]}" --only gpt2_small --skip-depth --sweep model.attention=pallas,xla \
                --json "$out/kernels.json" ;;
-    loss_chunk) run loss_chunk 100 "${bench[@]}" --only gpt2_small --skip-depth --sweep model.loss_chunk=0,256 \
+    loss_chunk) run loss_chunk 100 "${bench[@]}" --only gpt2_small --skip-depth --sweep model.loss_chunk=256 \
                   --json "$out/loss_chunk.json" ;;
   esac
 done
