@@ -371,6 +371,19 @@ def choose_implementation(implementation: Implementation, dtype, head_dim: int) 
   return "cudnn", "GPU, " + jnp.dtype(dtype).name
 
 
+def kernel_mask(mask: jax.Array | None) -> jax.Array | None:
+  """[b, h|1, t, s]: `mask` with every row that has no allowed key given all of them.
+
+  JAX passes a boolean mask to cuDNN as a bias of a large negative number, so the scores of such
+  a row are all that one number; cuDNN's backward pass then gives NaN in dq (seen on an H200 with
+  jax 0.11.2, cross attention of 128 queries over 64 keys; benchmarks/gpu/cudnn_empty_rows.py).
+  The row's output is zeroed afterwards (the guard), which also zeroes its gradient.
+  """
+  if mask is None:
+    return None
+  return mask | ~rows_attend(mask)[..., None]
+
+
 def dot_product_attention(
     q: jax.Array,
     k: jax.Array,
@@ -427,9 +440,10 @@ def dot_product_attention(
       impl, why = "xla", f"cuDNN refused: its backward pass needs even lengths with a mask or bias, got {t} x {s}"
     if impl == "cudnn":
       try:
-        # The mask stays exact; `is_causal` only lets cuDNN skip the key blocks above the diagonal.
-        out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale, is_causal=causal and t == s,
-                                           implementation="cudnn")
+        # The mask stays exact for every row with a key; `is_causal` only lets cuDNN skip the key
+        # blocks above the diagonal.
+        out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=kernel_mask(mask), scale=scale,
+                                           is_causal=causal and t == s, implementation="cudnn")
       except Exception as e:  # noqa: BLE001  (cuDNN refuses a shape / layout / version at trace time)
         impl, why = "xla", f"cuDNN refused: {str(e).splitlines()[0][:120]}"
     if out is None:
