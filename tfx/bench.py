@@ -142,7 +142,8 @@ def build_experiment(config: ml_collections.ConfigDict, devices=None):
                     mesh=mesh, tx=tx, schedule=schedule)
 
 
-def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 2, extra=None) -> dict[str, Any]:
+def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 2, extra=None,
+              profile: str | None = None) -> dict[str, Any]:
   """Builds the train step of `config` as training does and times it on synthetic data.
 
   Args:
@@ -151,6 +152,9 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
     warmup: untimed steps after the compiling first call.
     extra: optional `extra(exp, state, batch, frozen) -> dict`, called after the timed steps; its
       entries are added to the result (the accelerator suite times the objective's part with it).
+    profile: optional folder: after the timed steps, three more run under `jax.profiler.trace`,
+      which writes its trace there (plugins/profile/<time>/<host>.xplane.pb; TensorBoard's
+      profiler or `jax.profiler.ProfileData` reads it).
   Returns:
     a dict of plain numbers and strings (see the module docstring); `mfu` is None on devices
     of unknown peak (CPU), `peak_memory_bytes` None where the backend does not report it.
@@ -187,6 +191,10 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
     state, metrics = jax.block_until_ready(train_step(state, batch))
     times.append(time.perf_counter() - start)
 
+  if profile:
+    with jax.profiler.trace(profile):
+      for _ in range(3):
+        state, metrics = jax.block_until_ready(train_step(state, batch))
   more = extra(exp, state, batch, frozen) if extra is not None else {}
   step_s = statistics.median(times)
   per_row = exp.objective.train_flops_per_row(exp.model.cfg, seq_len)
@@ -310,6 +318,8 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--steps", type=int, default=10, help="timed steps")
   parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the compiling call")
   parser.add_argument("--json", default=None, help="also write the results as JSON to this path (local or gs://)")
+  parser.add_argument("--profile", default=None, metavar="DIR",
+                      help="trace three more steps with jax.profiler into DIR (with --suite: DIR/<model>)")
   parser.add_argument("--sweep", default=None, metavar="KEY=V1,V2,...",
                       help="benchmark once per value of one config field, e.g. model.remat=none,full,dots_saveable")
   parser.add_argument("--lower", choices=["gpu", "tpu"], default=None,
@@ -362,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
       result = sweep(args.config, overrides, key.removeprefix("config."), values.split(","), steps=args.steps,
                      warmup=args.warmup)
     else:
-      result = benchmark(config, steps=args.steps, warmup=args.warmup)
+      result = benchmark(config, steps=args.steps, warmup=args.warmup, profile=args.profile)
   except UserError as e:
     sys.exit(f"tfx.bench: {e}")
   report(format_sweep(result) if args.sweep else format_table(result), result, args.json)
@@ -427,7 +437,7 @@ def suite_main(args, overrides: list[str]) -> None:
       sys.exit(1 if any(r["error"] for r in lowered) else 0)
     runs = [bench_suite.run_suite(root, tiny=args.tiny, steps=args.steps, warmup=args.warmup,
                                   batch_per_device=args.batch, only=names, overrides=setting,
-                                  depth=not args.skip_depth)
+                                  depth=not args.skip_depth, profile=args.profile)
             for setting in settings]
     out = runs[0] if not args.sweep else {"sweep": args.sweep, "runs": runs}
   except UserError as e:

@@ -191,11 +191,13 @@ def check_overrides(root: str, *, tiny: bool, overrides: tuple[str, ...], only: 
 
 
 def run_suite(root: str, *, tiny: bool, steps: int, warmup: int, batch_per_device: int | None = None,
-              only: tuple[str, ...] = (), overrides: tuple[str, ...] = (), depth: bool = True) -> dict[str, Any]:
+              only: tuple[str, ...] = (), overrides: tuple[str, ...] = (), depth: bool = True,
+              profile: str | None = None) -> dict[str, Any]:
   """Runs the suite with `overrides` (config fields without the --config. prefix) applied to every
   entry, after its own; returns {"overrides": [...], "models": [result per entry],
   "compile_layers": {...}} (GPT-2's compile time by depth, unless `depth` is False). Each model's
-  result is also printed to stderr as soon as it is measured."""
+  result is also printed to stderr as soon as it is measured. `profile`: a folder for each model's
+  trace of three steps (`profile`/<model>, see `bench.benchmark`)."""
   from tfx import bench
 
   results = []
@@ -206,7 +208,8 @@ def run_suite(root: str, *, tiny: bool, steps: int, warmup: int, batch_per_devic
     config = entry_config(entry, root, tiny=tiny, batch_size=per_device * jax.device_count(), extra=overrides)
     result = bench.benchmark(config, steps=steps, warmup=warmup,
                              extra=lambda exp, state, batch, frozen: time_objective_part(
-                                 exp, state, batch, frozen, steps=steps))
+                                 exp, state, batch, frozen, steps=steps),
+                             profile=f"{profile}/{entry.name}" if profile else None)
     result["name"] = entry.name
     result["transform_share"] = result["transform_ms"] / (1e3 * result["step_s"])
     results.append(result)
