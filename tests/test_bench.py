@@ -315,3 +315,34 @@ def test_peer_bench_ratio_is_paired_with_an_interval():
              step_ratio_ci95=[0.45, 0.55], temp_bytes_tfx=2**20, temp_bytes_hf=2**21, compile_s_tfx=1.0,
              compile_s_hf=2.0, gflop_tfx=1.0, gflop_hf=1.0)
   assert "| 100 / 200 | 0.50x (0.45-0.55) | 1.0 / 2.0 | 0.50x |" in peer.table([row])
+
+
+def test_profile_traces_steps_and_sums_kernels_by_kind(tmp_path):
+  from tfx import bench_profile
+
+  out = bench.benchmark(config(), steps=1, warmup=0, profile=str(tmp_path))
+  summary = out["profile"]
+  assert summary["trace"] == bench_profile.find_trace(str(tmp_path)) and summary["trace"].endswith(".xplane.pb")
+  kinds = summary["kinds"]
+  assert summary["busy_ms_per_step"] > 0 and "matmul" in kinds and "xla fusions" in kinds
+  assert sum(k["ms_per_step"] for k in kinds.values()) == pytest.approx(summary["busy_ms_per_step"])
+  assert all(k["once_a_step_ms"] <= k["ms_per_step"] for k in kinds.values())
+  assert summary["top"] and "ms of kernels a step" in bench_profile.format_summary(summary)
+  json.dumps(out)
+  with pytest.raises(FileNotFoundError, match="no .xplane.pb"):
+    bench_profile.find_trace(str(tmp_path / "none"))
+
+
+@pytest.mark.parametrize("kernel, kind", [  # names from a GPT-2 step's trace on an H200
+    ("nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_splitK_NTN", "matmul"),
+    ("gemm_fusion_dot_general_30", "matmul"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float>", "matmul"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64", "attention"),
+    ("void cudnn::fusion::compute_dot_do_o_specialized<true, 64>", "attention"),
+    ("memcpy128", "copies"), ("Memset 0", "copies"),
+    ("input_add_multiply_reduce_fusion", "xla fusions"), ("loop_convert_fusion", "xla fusions"),
+])
+def test_kernel_kinds(kernel, kind):
+  from tfx import bench_profile
+
+  assert bench_profile.kind_of(kernel) == kind

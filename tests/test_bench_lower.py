@@ -113,6 +113,32 @@ def test_cudnn_is_refused_for_odd_lengths_that_its_backward_pass_refuses(length,
   assert bool(bench_lower.kernel_calls(lowered.as_text())) == (kernel == "cudnn")
 
 
+def test_cudnn_gets_every_key_for_a_query_row_that_has_none(monkeypatch):
+  # On an H200 (jax 0.11.2) cuDNN's backward pass gave NaN in dq for a row whose scores are all
+  # the large negative bias a mask becomes (cross attention, more queries than keys): such a row
+  # attends every key in the kernel, and the guard zeroes its output (and with it its gradient)
+  handed = []
+
+  def fake_cudnn(q, k, v, *, mask, **kwargs):
+    handed.append(mask)
+    return jnp.ones(q.shape, q.dtype)
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", fake_cudnn)
+  decoder = jnp.asarray([[1, 1, 2, 2, 0, 0, 0, 0]])  # [b, t]: the last four queries are padding
+  encoder = jnp.asarray([[1, 1, 2, 0]])  # [b, s]
+  mask = attention.segment_mask(decoder, encoder)  # [b, 1, t, s]
+  q = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
+  kv = jnp.zeros((1, 4, 2, 64), jnp.bfloat16)
+  with target.lowering_for("gpu"), attention.recorded_choices() as chosen:
+    out = attention.dot_product_attention(q, kv, kv, mask=mask)
+  assert [impl for impl, _ in chosen] == ["cudnn"]
+  (given,) = handed
+  rows = jnp.any(mask, axis=-1)  # [b, 1, t]
+  assert bool(jnp.all(jnp.any(given, axis=-1)))  # every row has a key in the kernel
+  assert bool(jnp.all(jnp.where(rows[..., None], given == mask, given)))  # the others' keys unchanged
+  assert not bool(jnp.any(out[:, 4:])) and bool(jnp.all(out[:, :4] == 1))  # padding rows zeroed after
+
+
 def test_t5_with_an_odd_target_length_lowers_for_gpu():
   (result,) = bench_lower.lower_suite(ROOT, "gpu", tiny=True, batch_per_device=2, only=("t5_base",),
                                       overrides=("data.seq_len=128",))  # 128 -> 29 targets

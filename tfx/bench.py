@@ -195,6 +195,11 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
     with jax.profiler.trace(profile):
       for _ in range(3):
         state, metrics = jax.block_until_ready(train_step(state, batch))
+    from tfx import bench_profile
+
+    summary = bench_profile.summarize(bench_profile.find_trace(profile))
+    if jax.process_index() == 0:
+      print(bench_profile.format_summary(summary), file=sys.stderr, flush=True)
   more = extra(exp, state, batch, frozen) if extra is not None else {}
   step_s = statistics.median(times)
   per_row = exp.objective.train_flops_per_row(exp.model.cfg, seq_len)
@@ -226,6 +231,7 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
       "temp_memory_bytes": int(memory.temp_size_in_bytes) if memory is not None else None,
       "loss": float(jax.device_get(metrics["loss"])),
       "attention": attention_summary(chosen),
+      **({"profile": summary} if profile else {}),
       **more,
   }
 

@@ -40,7 +40,8 @@ def probe(t: int, s: int, empty: int, *, unmask: bool, seed: int) -> str:
     in_empty = bad[t - empty:].sum() if empty else 0
     where = f"{int(bad.sum())} rows ({int(in_empty)} of them empty)"
   flags = " ".join(f"{n}={'ok' if f else 'NaN'}" for n, f in finite.items())
-  return f"{t:4d} x {s:4d}  empty rows {empty:3d}  {'unmasked' if unmask else 'as is':8s}  {flags}  non-finite dq: {where}"
+  setting = "unmasked" if unmask else "as is"
+  return f"{t:4d} x {s:4d}  empty rows {empty:3d}  {setting:8s}  {flags}  non-finite dq: {where}"
 
 
 def main() -> None:

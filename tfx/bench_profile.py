@@ -1,0 +1,131 @@
+"""Where a profiled step's device time goes: `python -m tfx.bench_profile TRACE [--steps N]`.
+
+TRACE is what `python -m tfx.bench --profile DIR` wrote (DIR, or one `.xplane.pb` file under it;
+the newest is read). Every kernel the device ran is summed by name and put in one of a few
+kinds: matrix products (cuBLAS, cuBLASLt's nvjet, XLA's Triton GEMM fusions), attention kernels
+(cuDNN's fused attention), Triton/Pallas kernels, copies, and XLA's own fusions (the elementwise
+work and reductions: norms, activations, the loss, the optimizer). Kernels that run once a step
+are outside the scanned layers (embedding, head, loss, optimizer); those run once per layer (or
+a multiple) are the layers'. Read with `jax.profiler.ProfileData`, so no TensorBoard is needed.
+
+On a CPU there is no device plane: the XLA:CPU thunks on the host's threads (events with an
+`hlo_op`) are summed instead, which is enough to test the plumbing, not to learn much.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from typing import Any
+
+KINDS = ("matmul", "attention", "triton", "copies", "xla fusions")
+CONTROL_FLOW = ("while", "conditional", "call")
+
+
+def kind_of(name: str) -> str:
+  """The kind of one kernel, from its name (see the module docstring)."""
+  low = name.lower()
+  if low.startswith("nvjet") or any(s in low for s in ("gemm", "cublas", "cutlass", "xmma")) or low.startswith("dot"):
+    return "matmul"
+  if "cudnn" in low or "sdpa" in low or "flash" in low:
+    return "attention"
+  if "triton" in low or "pallas" in low:
+    return "triton"
+  if low.startswith(("memcpy", "memset")) or "copy" in low:
+    return "copies"
+  return "xla fusions"
+
+
+def find_trace(path: str) -> str:
+  """`path` itself if it is a file, else the newest .xplane.pb under it."""
+  from etils import epath
+
+  p = epath.Path(path)
+  if p.is_file():
+    return str(p)
+  # jax.profiler.trace writes DIR/plugins/profile/<yyyy_mm_dd_hh_mm_ss>/<host>.xplane.pb
+  found = sorted(p.glob("plugins/profile/*/*.xplane.pb"), key=lambda f: (f.parent.name, f.name))
+  if not found:
+    raise FileNotFoundError(f"no .xplane.pb under {path}: give the folder `tfx.bench --profile` wrote")
+  return str(found[-1])
+
+
+def kernel_times(trace: str) -> tuple[dict[str, int], dict[str, int], str]:
+  """({kernel name: total ns}, {kernel name: calls}, where) over a trace: the device planes'
+  kernels, or on a CPU the host's XLA thunks."""
+  from jax.profiler import ProfileData
+
+  data = ProfileData.from_file(trace)
+  total: dict[str, int] = collections.Counter()
+  calls: dict[str, int] = collections.Counter()
+  for plane in data.planes:
+    if plane.name.startswith("/device:"):
+      for line in plane.lines:
+        for event in line.events:
+          total[event.name] += int(event.duration_ns)
+          calls[event.name] += 1
+  if total:
+    return total, calls, "device"
+  for plane in data.planes:
+    if plane.name.startswith("/host:CPU"):
+      for line in plane.lines:
+        for event in line.events:
+          # control flow (a scan's while loop) spans the thunks it runs: counted through them
+          if any(key == "hlo_op" for key, _ in event.stats) and not event.name.startswith(CONTROL_FLOW):
+            total[event.name] += int(event.duration_ns)
+            calls[event.name] += 1
+  return total, calls, "host (XLA:CPU thunks)"
+
+
+def summarize(trace: str, steps: int = 3, top: int = 15) -> dict[str, Any]:
+  """Per-step milliseconds by kind, outside and inside the layers, and the `top` kernels."""
+  total, calls, where = kernel_times(trace)
+  all_ns = sum(total.values())
+  by_kind = collections.Counter()
+  once = collections.Counter()  # kernels called at most once a step: outside the scanned layers
+  for name, ns in total.items():
+    by_kind[kind_of(name)] += ns
+    if calls[name] <= steps:
+      once[kind_of(name)] += ns
+  per_step = lambda ns: ns / steps / 1e6
+  return {
+      "trace": trace,
+      "source": where,
+      "steps": steps,
+      "busy_ms_per_step": per_step(all_ns),
+      "kinds": {k: {"ms_per_step": per_step(by_kind[k]), "share": by_kind[k] / all_ns if all_ns else 0.0,
+                    "once_a_step_ms": per_step(once[k])} for k in KINDS if by_kind[k]},
+      "top": [{"kernel": name, "kind": kind_of(name), "ms_per_step": per_step(ns),
+               "calls_per_step": calls[name] / steps}
+              for name, ns in sorted(total.items(), key=lambda item: -item[1])[:top]],
+  }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+  lines = [f"{summary['trace']}: {summary['busy_ms_per_step']:.1f} ms of kernels a step ({summary['source']}, "
+           f"{summary['steps']} steps)",
+           f"{'kind':12s} {'ms/step':>8s} {'share':>6s} {'of which once a step':>21s}"]
+  for kind, row in summary["kinds"].items():
+    lines.append(f"{kind:12s} {row['ms_per_step']:8.2f} {100 * row['share']:5.1f}% {row['once_a_step_ms']:21.2f}")
+  lines.append("top kernels:")
+  for row in summary["top"]:
+    lines.append(f"  {row['ms_per_step']:7.2f} ms  x{row['calls_per_step']:<5g} {row['kind']:12s} {row['kernel'][:90]}")
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m tfx.bench_profile", description=__doc__.split("\n")[0])
+  parser.add_argument("trace", help="a .xplane.pb, or the folder `tfx.bench --profile` wrote")
+  parser.add_argument("--steps", type=int, default=3, help="steps in the trace (tfx.bench --profile traces 3)")
+  parser.add_argument("--top", type=int, default=15, help="kernels listed")
+  args = parser.parse_args(argv)
+  try:
+    trace = find_trace(args.trace)
+  except FileNotFoundError as e:
+    sys.exit(f"tfx.bench_profile: {e}")
+  print(format_summary(summarize(trace, steps=args.steps, top=args.top)))
+
+
+if __name__ == "__main__":
+  main()
