@@ -50,6 +50,31 @@ def _perm_masks(z: np.ndarray, mlen: int):
 # ============================================================================ positions
 
 
+@pytest.mark.parametrize("t, mlen, batched", [(5, 0, False), (5, 3, True), (1, 4, False), (7, 16, True)])
+def test_positional_scores_are_the_gather_by_distance_index_with_its_gradients(t, mlen, batched):
+  """The pad-and-reshape shift reads what a gather by `distance_table`'s index reads, and its
+  gradients (a pad and slices, where the gather's is a scatter-add) are the gather's."""
+  b, d = 2, 4
+  p = mlen + 2 * t - 1
+  kq, kr, kc = jax.random.split(jax.random.key(1), 3)
+  q_r = jax.random.normal(kq, (b, t, H, d))
+  k_r = jax.random.normal(kr, (b if batched else 1, p, H, d))
+  cot = jax.random.normal(kc, (b, H, t, mlen + t))
+  _, index = X.distance_table(t, mlen)
+
+  def gathered(q_r, k_r):
+    table = jnp.einsum("bthd,bphd->bhtp", q_r, jnp.broadcast_to(k_r, (b,) + k_r.shape[1:]))  # [b, h, t, p]
+    return jnp.take_along_axis(table, jnp.broadcast_to(index, (b, H) + index.shape), axis=-1)
+
+  np.testing.assert_allclose(X.positional_scores(q_r, k_r), gathered(q_r, k_r), rtol=1e-6, atol=1e-6)
+  grads = [jax.grad(lambda q, k: jnp.sum(f(q, k) * cot), argnums=(0, 1))(q_r, k_r)
+           for f in (X.positional_scores, gathered)]
+  for ours, want in zip(*grads):
+    np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5)
+  scatter = jax.jit(jax.grad(lambda q: jnp.sum(X.positional_scores(q, k_r)))).lower(q_r).as_text()
+  assert "scatter" not in scatter and "gather" not in scatter
+
+
 @pytest.mark.parametrize("mlen,clamp,sign", [(0, -1, None), (3, -1, None), (3, 2, None), (4, -1, (1.0, -1.0))])
 def test_positional_term_matches_rel_shift(mlen, clamp, sign):
   b, t, d = 2, 5, 4
@@ -61,7 +86,7 @@ def test_positional_term_matches_rel_shift(mlen, clamp, sign):
   distances, index = X.distance_table(t, mlen)
   assert distances.shape == (s + t - 1,) and int(index.min()) == 0 and int(index.max()) == s + t - 2  # all read
   k_r = jnp.einsum("bpe,ehd->bphd", X.relative_encoding(distances, E, clamp_len=clamp, sign=sign), w_r)
-  ours = X.positional_scores(q_r, k_r, index)
+  ours = X.positional_scores(q_r, k_r)
   # Transformer-XL: encodings of pos = s, s-1, ..., -t+1, then the shift.
   pos = jnp.arange(s, -t, -1, dtype=jnp.float32)
   k_shift = jnp.einsum("bpe,ehd->bphd", X.relative_encoding(pos, E, clamp_len=clamp, sign=sign), w_r)

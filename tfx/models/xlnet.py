@@ -90,7 +90,7 @@ class XLNet(Family):
                                                                      ("embed",)), (cfg.d_model,), jnp.float32)
       g = drop(jnp.broadcast_to(mask_emb.astype(cfg.compute_dtype), (b, target_mapping.shape[1], cfg.d_model)))
 
-    distances, index = distance_table(t, m)  # [p], [t, s]
+    distances, _ = distance_table(t, m)  # [p]
     r = drop(relative_encoding(distances, cfg.d_model, clamp_len=clamp_len, sign=bi_sign))  # [b|1, p, e]
     seg_diff = None if token_types is None else segment_difference(token_types, m)  # [b, t, s]
     biases = None if untie_r else shared_biases(self, cfg)
@@ -100,7 +100,7 @@ class XLNet(Family):
     layer = XLNetLayer
     if cfg.remat != "none":
       layer = nn.remat(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
-    shared = (r, index, seg_diff, content_mask, query_mask, target_mapping, biases)  # the same for every layer
+    shared = (r, seg_diff, content_mask, query_mask, target_mapping, biases)  # the same for every layer
     if cfg.scan_layers:
       # Parameters stacked on a leading `layers` axis; mems [l, b, m, e] scanned in, new_mems out.
       scanned = nn.scan(
