@@ -158,7 +158,9 @@ class Family(nn.Module):
     logits = embed.attend(x) if cfg.tie_embeddings else projection(x)
     if output_bias is not None:
       logits = logits + output_bias.astype(logits.dtype)
-    logits = nn.with_logical_constraint(logits, ("act_batch", "act_length", "act_vocab")).astype(jnp.float32)
+    logits = nn.with_logical_constraint(logits, ("act_batch", "act_length", "act_vocab"))
     if loss is None:
-      return logits
+      return logits.astype(jnp.float32)
+    # In the compute dtype: the loss reads them in float32 itself, and bf16 logits get its
+    # one-pass gradient, without a float32 copy of [b, t, v] (`ops.log_z_and_target`).
     return ops.weighted_cross_entropy(logits, loss.targets, loss.weights, z_loss=loss.z_loss)

@@ -9,6 +9,54 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def log_z_and_target(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """log Z, the target's logit and the largest logit of each row, float32 [b, t] each.
+
+  Args:
+    logits: [b, t, v] in any float dtype (read in float32).
+    targets: [b, t] int.
+
+  The largest logit carries no gradient (its share of log Z's cancels; callers use it only as
+  `stop_gradient`, for the accuracy). Narrower logits than float32 (bf16 training) get a
+  gradient written by hand, g_z softmax + g_t onehot(target), in one elementwise pass over the
+  logits in their own dtype: autodiff of the same formulas keeps a float32 exp(x - max) of the
+  [b, t, v] logits and scatters the target's gradient into a zeroed [b, t, v] buffer, each a
+  pass over the largest tensor of the step (on an H200, GPT-2-small's loss took 11% of its step;
+  compiled for an H100 at 16 rows the step's temporaries fall from 7.56 to 4.51 GiB). Float32
+  logits keep autodiff's gradient: there the kept exp costs no more than the logits, and with
+  the hand-written pass XLA:CPU computed the gradient twice, once transposed for the head's
+  weight gradient, keeping exp alive longer (GPT-2 with 4 layers, d_model 256, 8 x 256 tokens:
+  62 MiB more temporaries, the step time within this machine's noise).
+  """
+  if logits.dtype == jnp.float32:
+    return _log_z_and_target_fwd(logits, targets)[0]
+  return _narrow_log_z_and_target(logits, targets)
+
+
+def _log_z_and_target_fwd(logits, targets):
+  x = logits.astype(jnp.float32)  # [b, t, v]; fused into the reductions: no float32 copy is kept
+  # logsumexp written out so that its max serves the accuracy too: one pass over [b, t, v] for
+  # both, where an argmax would be a second (variadic) reduction over the vocabulary.
+  top = jax.lax.stop_gradient(jnp.max(x, axis=-1))  # [b, t]
+  total = jnp.sum(jnp.exp(x - top[..., None]), axis=-1)  # [b, t]
+  log_z = top + jnp.log(total)
+  target_logit = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]  # [b, t]
+  return (log_z, target_logit, top), (logits, targets, top, total)
+
+
+def _log_z_and_target_bwd(residuals, cotangents):
+  logits, targets, top, total = residuals
+  g_z, g_t, _ = cotangents  # [b, t] each; the largest logit's is dropped (see the docstring)
+  exp = jnp.exp(logits.astype(jnp.float32) - top[..., None])  # [b, t, v]
+  vocab = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)  # [b, t, v]
+  d_logits = exp * (g_z / total)[..., None] + jnp.where(vocab == targets[..., None], g_t[..., None], 0.0)
+  return d_logits.astype(logits.dtype), np.zeros(targets.shape, jax.dtypes.float0)
+
+
+_narrow_log_z_and_target = jax.custom_vjp(lambda logits, targets: _log_z_and_target_fwd(logits, targets)[0])
+_narrow_log_z_and_target.defvjp(_log_z_and_target_fwd, _log_z_and_target_bwd)
+
+
 def weighted_cross_entropy(
     logits: jax.Array, targets: jax.Array, weights: jax.Array, *, z_loss: float = 0.0
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -24,12 +72,8 @@ def weighted_cross_entropy(
     `loss`, `accuracy` (weighted; correct = the target has the largest logit, ties included) and
     `num_tokens` (sum of weights).
   """
-  logits = logits.astype(jnp.float32)
-  # logsumexp written out so that its max serves the accuracy too: one pass over [b, t, v] for
-  # both, where an argmax would be a second (variadic) reduction over the vocabulary.
-  top = jax.lax.stop_gradient(jnp.max(logits, axis=-1))  # [b, t]
-  log_z = top + jnp.log(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1))  # [b, t]
-  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [b, t]
+  log_z, target_logit, top = log_z_and_target(logits, targets)  # [b, t] float32 each
+  top = jax.lax.stop_gradient(top)
   ce = log_z - target_logit
   weights = weights.astype(jnp.float32)
   total = jnp.sum(weights)
