@@ -44,7 +44,8 @@ def test_session_runs_every_step_and_writes_its_results(tmp_path):
                         capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-2000:]
   summary = (out / "summary.txt").read_text().splitlines()
-  assert [line.split()[0] for line in summary] == ["env", "attention", "suite", "t5_128", "kernels", "loss_chunk"]
+  assert [line.split()[0] for line in summary] == ["env", "attention", "suite", "t5_128", "kernels", "loss_chunk",
+                                                          "profile"]
   assert all(line.split()[1] == "rc=0" for line in summary), summary
   assert proc.stdout.rstrip().endswith(summary[-1])  # the summary is printed last
   env_log = (out / "env.log").read_text()
@@ -63,6 +64,9 @@ def test_session_runs_every_step_and_writes_its_results(tmp_path):
   assert all(len(r["models"]) == 1 and r["compile_layers"] == {} for r in kernels["runs"])
   chunks = json.loads((out / "loss_chunk.json").read_text())
   assert [r["overrides"] for r in chunks["runs"]] == [["model.loss_chunk=256"]]
+  profiled = json.loads((out / "profile.json").read_text())
+  assert all(m["profile"]["busy_ms_per_step"] > 0 for m in profiled["models"])
+  assert sorted(p.name for p in (out / "profile").iterdir()) == sorted(m["name"] for m in profiled["models"])
 
 
 def test_an_unknown_step_is_refused(tmp_path):

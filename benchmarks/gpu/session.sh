@@ -16,11 +16,14 @@
 #                cuDNN, the default on a GPU: same batch, same machine)
 #   loss_chunk   GPT-2-small with the output projection fused into the loss (256 tokens  100 s
 #                a chunk; the suite's row is without)
+#   profile      three steps of each suite model traced (OUT/profile/<model>) and their   150 s
+#                kernels summed by kind (python -m tfx.bench_profile)
 # The batch is fixed (32 rows) rather than searched: the suite's search compiles each model up to
 # seven times, more than one device session holds. 32 rows fit an H100 with room: compiled for one
 # here (`make gpu-compile`), every model's step at 64 rows fits (XLNet's the largest, 57 GiB) and
-# GPT-2's with XLA's attention takes 18 GiB at 16. The first four steps (9 min at most) fit one
-# call; `kernels loss_chunk` a second one.
+# GPT-2's with XLA's attention takes 18 GiB at 16. On an H200 (2026-11-27) the first six steps
+# took 336 s together and the profile 130 s: all seven fit one 10-minute call; the limits below
+# are each step's worst case.
 # Each step writes OUT/<step>.log and OUT/<step>.json; the last lines printed are
 # OUT/summary.txt, each step's exit status and seconds (124: over its limit).
 # TFX_GPU_ARCHIVE=FILE: after each step, OUT is also packed into FILE (.tgz), so that a call killed at
@@ -31,7 +34,7 @@ set -u
 out=$1
 shift
 steps=("$@")
-all_steps=(env attention suite t5_128 kernels loss_chunk)
+all_steps=(env attention suite t5_128 kernels loss_chunk profile)
 [ ${#steps[@]} -gt 0 ] || steps=("${all_steps[@]}")
 for step in "${steps[@]}"; do
   [[ " ${all_steps[*]} " == *" $step "* ]] || { echo "unknown step $step (${all_steps[*]})" >&2; exit 2; }
@@ -87,6 +90,8 @@ print(\"ml_collections from\", ml_collections.__file__)'
     t5_128) run t5_128 90 "${bench[@]}" --only t5_base --skip-depth "${t5[@]}" --json "$out/t5_128.json" ;;
     kernels) run kernels 150 "${bench[@]}" --only gpt2_small --skip-depth --sweep model.attention=pallas,xla \
                --json "$out/kernels.json" ;;
+    profile) run profile 150 "${bench[@]}" --skip-depth --steps 3 --warmup 1 --profile "$out/profile" \
+               --json "$out/profile.json" ;;
     loss_chunk) run loss_chunk 100 "${bench[@]}" --only gpt2_small --skip-depth --sweep model.loss_chunk=256 \
                   --json "$out/loss_chunk.json" ;;
   esac
