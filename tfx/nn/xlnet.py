@@ -5,8 +5,8 @@ n prediction slots, p relative distances (s + t - 1 of them).
 
 - Relative positions: query i in [0, t) and key j in [0, s) are at distance
   d_ij = i + m - j. R(d) = concat[sin(d f), cos(d f)], f_k = 10000^(-2k/e). The positional
-  score (q_i + r_r_bias) . W_r R(d_ij) is computed once per distinct distance and gathered
-  (`positional_scores`, a pad-and-reshape shift over those distances); `rel_shift_scores` is the
+  score (q_i + r_r_bias) . W_r R(d_ij) is computed once per distinct distance and each query's
+  keys cut out of that table (`positional_scores`, a pad-and-reshape shift); `rel_shift_scores` is the
   Transformer-XL shift formulation over all of them, kept as a test reference.
 - Segments: s_ij = [type_i != type_j]; memory positions have type 0.
 - Two streams share every weight: the content stream h attends [mem; h] under `content_mask`;
