@@ -33,24 +33,39 @@ def log_z_and_target(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, 
   return _narrow_log_z_and_target(logits, targets)
 
 
-def _log_z_and_target_fwd(logits, targets):
+def _softmax_parts(logits, targets):
+  """(top, exp, total, log Z, target logit) of [b, t, v] logits: the row max (no gradient),
+  exp(x - max) [b, t, v], its row sum, and three [b, t] float32 arrays."""
   x = logits.astype(jnp.float32)  # [b, t, v]; fused into the reductions: no float32 copy is kept
   # logsumexp written out so that its max serves the accuracy too: one pass over [b, t, v] for
   # both, where an argmax would be a second (variadic) reduction over the vocabulary.
   top = jax.lax.stop_gradient(jnp.max(x, axis=-1))  # [b, t]
-  total = jnp.sum(jnp.exp(x - top[..., None]), axis=-1)  # [b, t]
+  exp = jnp.exp(x - top[..., None])  # [b, t, v]
+  total = jnp.sum(exp, axis=-1)  # [b, t]
   log_z = top + jnp.log(total)
   target_logit = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]  # [b, t]
+  return top, exp, total, log_z, target_logit
+
+
+def _d_logits(exp, total, targets, g_z, g_t):
+  """[b, t, v] float32: g_z softmax + g_t onehot(target), the logits' gradient of g_z log Z + g_t
+  target logit, from `_softmax_parts`' exp and total."""
+  # a [v] iota: a [b, t, v] one is loop-invariant in `linear_cross_entropy`'s scan over chunks, and
+  # XLA:CPU hoisted it out of the loop as a [b, chunk, v] buffer
+  onehot = targets[..., None] == jnp.arange(exp.shape[-1], dtype=targets.dtype)  # [b, t, v]
+  return exp * (g_z / total)[..., None] + jnp.where(onehot, g_t[..., None], 0.0)
+
+
+def _log_z_and_target_fwd(logits, targets):
+  top, _, total, log_z, target_logit = _softmax_parts(logits, targets)
   return (log_z, target_logit, top), (logits, targets, top, total)
 
 
 def _log_z_and_target_bwd(residuals, cotangents):
   logits, targets, top, total = residuals
   g_z, g_t, _ = cotangents  # [b, t] each; the largest logit's is dropped (see the docstring)
-  exp = jnp.exp(logits.astype(jnp.float32) - top[..., None])  # [b, t, v]
-  vocab = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)  # [b, t, v]
-  d_logits = exp * (g_z / total)[..., None] + jnp.where(vocab == targets[..., None], g_t[..., None], 0.0)
-  return d_logits.astype(logits.dtype), np.zeros(targets.shape, jax.dtypes.float0)
+  exp = jnp.exp(logits.astype(jnp.float32) - top[..., None])  # [b, t, v], computed again
+  return _d_logits(exp, total, targets, g_z, g_t).astype(logits.dtype), np.zeros(targets.shape, jax.dtypes.float0)
 
 
 _narrow_log_z_and_target = jax.custom_vjp(lambda logits, targets: _log_z_and_target_fwd(logits, targets)[0])
@@ -72,8 +87,7 @@ def weighted_cross_entropy(
     `loss`, `accuracy` (weighted; correct = the target has the largest logit, ties included) and
     `num_tokens` (sum of weights).
   """
-  log_z, target_logit, top = log_z_and_target(logits, targets)  # [b, t] float32 each
-  top = jax.lax.stop_gradient(top)
+  log_z, target_logit, top = log_z_and_target(logits, targets)  # [b, t] float32 each; top has no gradient
   ce = log_z - target_logit
   weights = weights.astype(jnp.float32)
   total = jnp.sum(weights)
@@ -137,19 +151,13 @@ def _chunk_sums(x, kernel, bias, targets, weights, z_loss, vocab_major, grads):
   """One chunk: x [b, c, e], targets / weights [b, c] -> the chunk's weighted sums of ce, log(Z)^2 and
   correct, and with `grads` the gradients of sum(w (ce + z_loss log(Z)^2)) for x, kernel and bias."""
   logits = _project(x, kernel, bias, vocab_major)  # [b, c, v]
-  top = jnp.max(logits, axis=-1)  # [b, c]
-  exp = jnp.exp(logits - top[..., None])  # [b, c, v]
-  total = jnp.sum(exp, axis=-1)  # [b, c]
-  log_z = top + jnp.log(total)
-  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [b, c]
+  top, exp, total, log_z, target_logit = _softmax_parts(logits, targets)  # exp [b, c, v], the rest [b, c]
   ce = log_z - target_logit  # [b, c]
   sums = (jnp.sum(weights * ce), jnp.sum(weights * jnp.square(log_z)), jnp.sum(weights * (target_logit >= top)))
   if not grads:
     return sums, None
   # d/dlogits of w (log Z - logit[target] + z log(Z)^2) = w ((1 + 2 z log Z) softmax - onehot)
-  scale = weights * (1.0 + 2.0 * z_loss * log_z) / total  # [b, c]
-  onehot = targets[..., None] == jnp.arange(logits.shape[-1], dtype=targets.dtype)  # [b, c, v]
-  d_logits = (exp * scale[..., None] - jnp.where(onehot, weights[..., None], 0.0)).astype(x.dtype)  # [b, c, v]
+  d_logits = _d_logits(exp, total, targets, weights * (1.0 + 2.0 * z_loss * log_z), -weights).astype(x.dtype)
   k = kernel.astype(x.dtype)
   if vocab_major:  # kernel [v, e]
     d_x = jnp.einsum("bcv,ve->bce", d_logits, k, preferred_element_type=jnp.float32)
