@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from tfx import ops
+from tfx.ops import activations
 
 Dtype = Any
 
@@ -210,11 +211,11 @@ def make_norm(cfg: ModelConfig, name: str | None = None) -> Norm:
 
 
 _ACTIVATIONS = {
-    "gelu": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu": activations.gelu,
+    "gelu_exact": activations.gelu_exact,
     "relu": jax.nn.relu,
-    "geglu": lambda x: jax.nn.gelu(x, approximate=True),
-    "swiglu": jax.nn.silu,
+    "geglu": activations.gelu,
+    "swiglu": activations.silu,
 }
 GATED = ("geglu", "swiglu")
 MLP_KINDS = tuple(_ACTIVATIONS)
