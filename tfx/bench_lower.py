@@ -145,6 +145,17 @@ def _compiled_numbers(compiled) -> dict[str, Any]:
   return out
 
 
+def _traffic(compiled) -> dict[str, int] | None:
+  """Bytes the compiled step's kernels move, by kind (`tfx.bench_traffic`); None when XLA gives
+  no optimized HLO text."""
+  from tfx import bench_traffic
+
+  try:
+    return bench_traffic.summary(compiled.as_text())
+  except Exception:  # noqa: BLE001  (a report of what XLA did; no text is not an error of the step)
+    return None
+
+
 def lower_step(config: ml_collections.ConfigDict, platform: str, devices: list | None = None) -> dict[str, Any]:
   """Lowers the train step of `config` for `platform` ('gpu' or 'tpu'), and with `devices` (a
   topology's compile-only devices, `topology_devices`) also compiles it for them (the persistent
@@ -154,7 +165,7 @@ def lower_step(config: ml_collections.ConfigDict, platform: str, devices: list |
 
   Returns {"platform", "attention": ["kernel (reason)", ...], "kernel_calls": {...}, "lower_s",
   "module_bytes", "error"} ("error" None when it lowered), and with `devices` also "device_kind",
-  "device_count", "compile_s" and `_compiled_numbers`' fields.
+  "device_count", "compile_s", `_compiled_numbers`' fields and "traffic" (`_traffic`).
   """
   from tfx import bench_suite
 
@@ -181,6 +192,7 @@ def lower_step(config: ml_collections.ConfigDict, platform: str, devices: list |
           compiled = lowered.compile()
           result["compile_s"] = time.perf_counter() - start
         result.update(_compiled_numbers(compiled))
+        result["traffic"] = _traffic(compiled)
     except UserError:
       raise  # a bad config is the user's to fix, not a finding about the platform
     except Exception as e:  # noqa: BLE001  (the report's purpose: what fails there, fails here too)
@@ -204,12 +216,13 @@ def lower_suite(root: str, platform: str, *, tiny: bool, batch_per_device: int, 
   runs = [(entry, entry.name, ()) for entry in bench_suite.SUITE if not only or entry.name in only]
   if depth and devices and (not only or "gpt2_small" in only):
     depths = (2, 8) if tiny else (12, 48)
-    runs += [(bench_suite.SUITE[0], f"gpt2_small@{n}", (f"model.num_layers={n}",)) for n in depths]
+    runs += [(bench_suite.SUITE[0], f"gpt2_small@{n}", (f"model.num_layers={n}", *bench_suite.SCANNED))
+             for n in depths]
   results, done = [], []  # done: (config as a dict, its result) of what was lowered already
   for entry, name, extra in runs:
     config = bench_suite.entry_config(entry, root, tiny=tiny, batch_size=batch_per_device * count,
                                       extra=(*overrides, *extra))
-    # gpt2_small@12 is gpt2_small itself at full size (@2 at tiny): its lowering is reused, not compiled twice
+    # an entry whose config was lowered already (the same overrides twice) is reused, not compiled again
     as_dict = config.to_dict()
     same = next((r for c, r in done if c == as_dict), None)
     lowered = dict(same) if same else lower_step(config, platform, devices)
@@ -236,5 +249,9 @@ def format_lowered(results: list[dict[str, Any]]) -> str:
       gib = lambda key: f"{r[key] / 2**30:.2f}"  # noqa: E731
       done = (f"compiled for {r['device_count']} x {r['device_kind']} in {r['compile_s']:.1f} s, "
               f"{gib('device_bytes')} GiB per device (temporaries {gib('temp_bytes')})")
+      if r.get("traffic"):
+        from tfx import bench_traffic
+
+        done += f", kernels move {bench_traffic.format_summary(r['traffic'])}"
     lines.append(f"{head}: {done}; {calls}; attention: {'; '.join(r['attention'])}")
   return "\n".join(lines)

@@ -1,0 +1,116 @@
+"""tfx.bench_traffic: the bytes a compiled step's kernels move, read off the optimized HLO text."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tfx import bench_traffic
+
+HLO = """HloModule jit_step, entry_computation_layout={()}
+
+%fused_scale (param_0: f32[8,1024], param_1: f32[1024]) -> bf16[8,1024] {
+  %param_0 = f32[8,1024]{1,0} parameter(0)
+  %param_1 = f32[1024]{0} parameter(1)
+  %broadcast.1 = f32[8,1024]{1,0} broadcast(%param_1), dimensions={1}
+  %multiply.1 = f32[8,1024]{1,0} multiply(%param_0, %broadcast.1)
+  ROOT %convert.1 = bf16[8,1024]{1,0} convert(%multiply.1)
+}
+
+%fused_stack (param_0: bf16[12,8,1024], param_1: bf16[8,1024], param_2: s32[]) -> bf16[12,8,1024] {
+  %param_0 = bf16[12,8,1024]{2,1,0} parameter(0)
+  %param_1 = bf16[8,1024]{1,0} parameter(1)
+  %bitcast.2 = bf16[1,8,1024]{2,1,0} bitcast(%param_1)
+  %param_2 = s32[] parameter(2)
+  %constant.2 = s32[] constant(0)
+  ROOT %dynamic-update-slice.2 = bf16[12,8,1024]{2,1,0} dynamic-update-slice(%param_0, %bitcast.2, %param_2, %constant.2, %constant.2)
+}
+
+%fused_row (param_0: bf16[12,8,1024], param_1: s32[]) -> f32[8] {
+  %param_0 = bf16[12,8,1024]{2,1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %constant.3 = s32[] constant(0)
+  %dynamic-slice.3 = bf16[1,8,1024]{2,1,0} dynamic-slice(%param_0, %param_1, %constant.3, %constant.3), dynamic_slice_sizes={1,8,1024}
+  %convert.3 = f32[1,8,1024]{2,1,0} convert(%dynamic-slice.3)
+  %constant.4 = f32[] constant(0)
+  ROOT %reduce.3 = f32[8]{0} reduce(%convert.3, %constant.4), dimensions={0,2}, to_apply=%add
+}
+
+%body (arg: (s32[], bf16[12,8,1024])) -> (s32[], bf16[12,8,1024]) {
+  %arg = (s32[], bf16[12,8,1024]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %stack = bf16[12,8,1024]{2,1,0} get-tuple-element(%arg), index=1
+  %row = f32[8]{0} fusion(%stack, %i), kind=kInput, calls=%fused_row
+  %x = f32[8,1024]{1,0} broadcast(%row), dimensions={0}
+  %w = f32[1024]{0} constant({...})
+  %scaled = bf16[8,1024]{1,0} fusion(%x, %w), kind=kLoop, calls=%fused_scale
+  %gemm = (bf16[8,1024]{1,0}, s8[4096]{0}) custom-call(%scaled, %scaled), custom_call_target="__cublas$gemm"
+  %product = bf16[8,1024]{1,0} get-tuple-element(%gemm), index=0
+  %updated = bf16[12,8,1024]{2,1,0} fusion(%stack, %product, %i), kind=kLoop, calls=%fused_stack
+  ROOT %tuple = (s32[], bf16[12,8,1024]{2,1,0}) tuple(%i, %updated)
+}
+
+%cond (arg: (s32[], bf16[12,8,1024])) -> pred[] {
+  %arg = (s32[], bf16[12,8,1024]{2,1,0}) parameter(0)
+  ROOT %p = pred[] constant(true)
+}
+
+ENTRY %main (p0: bf16[12,8,1024]) -> bf16[12,8,1024] {
+  %p0 = bf16[12,8,1024]{2,1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[12,8,1024]{2,1,0}) tuple(%zero, %p0)
+  %loop = (s32[], bf16[12,8,1024]{2,1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"12"}}
+  %out = bf16[12,8,1024]{2,1,0} get-tuple-element(%loop), index=1
+  ROOT %copy.9 = bf16[12,8,1024]{2,1,0} copy(%out)
+}
+"""
+
+
+def test_kernels_count_what_each_reads_and_writes_times_the_loop_trips():
+  kernels = {k.name: k for k in bench_traffic.kernels(HLO)}
+  assert set(kernels) == {"row", "x", "scaled", "gemm", "updated", "copy.9"}
+  row = 8 * 1024 * 2  # one [8, 1024] bf16 layer of the stack
+  # the dynamic slice (and its 4-byte index), not the stack
+  assert kernels["row"] == bench_traffic.Kernel("row", "fusion", 12, row + 4, 8 * 4)
+  assert kernels["scaled"] == bench_traffic.Kernel("scaled", "fusion", 12, 8 * 1024 * 4 + 1024 * 4, row)
+  assert kernels["gemm"].kind == "matmul" and kernels["gemm"].read == 2 * row
+  # written in place: the update only, and the stack it lands in is not read
+  assert kernels["updated"] == bench_traffic.Kernel("updated", "in-place update", 12, row + 4, row)
+  assert kernels["copy.9"] == bench_traffic.Kernel("copy.9", "copy", 1, 12 * row, 12 * row)
+  moved = bench_traffic.summary(HLO)
+  assert moved["total"] == sum(k.bytes for k in kernels.values())
+  assert moved["in-place update"] == 12 * (4 + 2 * row) and moved["attention"] == 0
+  assert bench_traffic.format_summary(moved).startswith(f"{moved['total'] / 1e9:.1f} GB a step (matmul ")
+  top = bench_traffic.top_kernels(HLO, 3)
+  assert [(name, moved) for name, _, _, moved in top] == [(k.name, k.bytes) for k in sorted(
+      kernels.values(), key=lambda k: -k.bytes)][:3]
+  assert ("copy", "copy", 1, 2 * 12 * row) in bench_traffic.top_kernels(HLO, 6)  # copy.9 named as copy
+
+
+def test_a_compiled_cpu_step_is_read_too():
+  # XLA:CPU's optimized HLO has the same structure: a scan's body counted once per layer
+  def step(w, x):
+    def layer(h, wi):
+      return jnp.tanh(h @ wi), None
+    return jax.lax.scan(layer, x, w)[0].sum()
+
+  w = jnp.ones((5, 64, 64), jnp.float32)
+  x = jnp.ones((32, 64), jnp.float32)
+  text = jax.jit(jax.grad(step)).lower(w, x).compile().as_text()
+  kernels = bench_traffic.kernels(text)
+  assert kernels and all(k.read >= 0 and k.written >= 0 for k in kernels)
+  assert any(k.count == 5 for k in kernels)  # inside the loops
+  moved = bench_traffic.summary(text)
+  assert moved["matmul"] >= 2 * 5 * 64 * 64 * 4  # at least the weights, read forward and backward
+  np.testing.assert_equal(moved["total"], sum(moved[k] for k in bench_traffic.KINDS))
+
+
+def test_cli_prints_the_summary_and_the_heaviest_kernels(tmp_path, capsys):
+  path = tmp_path / "module.txt"
+  path.write_text(HLO)
+  bench_traffic.main([str(path), "--top", "3"])
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0].startswith("0.0 GB a step (") and len(lines) == 4
+  assert lines[1].split()[-1] in ("scaled", "gemm") and "x12" in lines[1]
+  with pytest.raises(ValueError, match="no ENTRY"):
+    bench_traffic.kernels("HloModule empty\n")

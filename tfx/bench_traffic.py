@@ -1,0 +1,207 @@
+"""Bytes the kernels of a compiled step read and write, from its optimized HLO: where memory
+bandwidth goes, without the device.
+
+    python -m tfx.bench --suite accel --lower gpu --topology h100 --only gpt2_small   (prints it)
+    python -m tfx.bench_traffic module.txt [--top 20]    (an HLO dump's *_after_optimizations.txt)
+
+On a GPU the step's elementwise and reduction fusions are bound by memory bandwidth, not
+arithmetic (GPT-2-small on an H200: 43% of the step in XLA fusions, at ~60% of the memory's
+bandwidth), so the bytes they move are the time they take, to first order: a compile-only build
+(`--lower gpu --topology h100`) shows what a change to the model does to them before a device
+session is spent on it. Each kernel of the optimized module (a fusion, a cuBLAS/cuDNN custom
+call, a copy) counts the bytes of its operands and its result, times the trip count of the
+while loops around it (a scanned layer stack's body runs once per layer). Reads of a fused
+parameter only through a dynamic-slice count the slice, through a gather the gathered elements;
+a dynamic-update-slice writes its update into a buffer it does not read (in place). What the
+count cannot see: caches (a kernel's re-read of what it just wrote), kernels' efficiency, and
+which matmul kernel autotuning picks on the device (compile-only builds skip autotuning).
+"""
+
+import argparse
+import collections
+import dataclasses
+import re
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+          "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
+_HEADER = re.compile(r"^(ENTRY )?%(\S+) .*\{$")
+_INSTRUCTION = re.compile(r"^(ROOT )?%(\S+) = (.*?) ([a-z][\w-]*)\((.*?)\)(, .*)?$")
+_COMMENT = re.compile(r"/\*.*?\*/")
+KINDS = ("matmul", "attention", "fusion", "in-place update", "copy", "other")
+
+
+def shape_bytes(shape: str) -> int:
+  """Bytes of an HLO shape string: 'bf16[32,1024]{1,0}', or a tuple of arrays (their sum)."""
+  total = 0
+  for dtype, dims in _ARRAY.findall(shape):
+    n = 1
+    for d in filter(None, dims.split(",")):
+      n *= int(d)
+    total += _BYTES[dtype] * n
+  return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  shape: str
+  op: str
+  operands: tuple[str, ...]
+  attributes: str
+  root: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """One kernel of the step: its instruction's name, kind (KINDS), how often it runs a step, and
+  the bytes it reads and writes each time."""
+
+  name: str
+  kind: str
+  count: int
+  read: int
+  written: int
+
+  @property
+  def bytes(self) -> int:
+    return self.count * (self.read + self.written)
+
+
+def parse_module(text: str) -> tuple[dict[str, dict[str, Instruction]], str]:
+  """({computation: {instruction name: Instruction}}, the entry computation's name) of HLO text."""
+  computations: dict[str, dict[str, Instruction]] = {}
+  entry, current = None, None
+  for line in text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      current = computations.setdefault(header.group(2), {})
+      entry = header.group(2) if header.group(1) else entry
+      continue
+    if line.startswith("}"):
+      current = None
+      continue
+    m = _INSTRUCTION.match(line.strip()) if current is not None else None
+    if m:
+      operands = tuple(a.strip().lstrip("%") for a in _COMMENT.sub("", m.group(5)).split(",") if a.strip())
+      current[m.group(2)] = Instruction(m.group(3), m.group(4), operands, m.group(6) or "", bool(m.group(1)))
+  if entry is None:
+    raise ValueError("no ENTRY computation in the HLO text")
+  return computations, entry
+
+
+def _attribute(inst: Instruction, key: str) -> str | None:
+  m = re.search(key + r'="?%?([\w.\-$]+)', inst.attributes)
+  return m.group(1) if m else None
+
+
+def _fused_bytes(body: dict[str, Instruction]) -> tuple[int, int]:
+  """(read, written) of a fused computation: see the module docstring for the rules."""
+  in_place = {i.operands[0] for i in body.values() if i.op == "dynamic-update-slice"}
+  read = 0
+  for name, inst in body.items():
+    if inst.op != "parameter" or name in in_place:
+      continue
+    users = [u for u in body.values() if name in u.operands]
+    if users and all(u.op in ("dynamic-slice", "gather") and u.operands[0] == name for u in users):
+      read += sum(shape_bytes(u.shape) for u in users)
+    else:
+      read += shape_bytes(inst.shape)
+  root = next(i for i in body.values() if i.root)
+  outputs = [body[o] for o in root.operands] if root.op == "tuple" else [root]
+  written = sum(shape_bytes(body[o.operands[1]].shape) if o.op == "dynamic-update-slice" else shape_bytes(o.shape)
+                for o in outputs)
+  return read, written
+
+
+def _kind(name: str, inst: Instruction, body: dict[str, Instruction] | None) -> str:
+  if inst.op == "custom-call":
+    target = _attribute(inst, "custom_call_target") or ""
+    if "fmha" in target:
+      return "attention"
+    return "matmul" if ("gemm" in target or "matmul" in target or "cublas" in target) else "other"
+  if inst.op == "fusion" and body is not None:
+    if '"kind":"__triton_gemm"' in inst.attributes or "gemm" in name or any(i.op in ("dot", "convolution")
+                                                                             for i in body.values()):
+      return "matmul"
+    root = next(i for i in body.values() if i.root)
+    outputs = [body[o] for o in root.operands] if root.op == "tuple" else [root]
+    if all(o.op == "dynamic-update-slice" for o in outputs):
+      return "in-place update"
+    return "fusion"
+  return "copy" if inst.op in ("copy", "copy-start", "transpose") else "other"
+
+
+_NOT_KERNELS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "conditional",
+                "call", "after-all", "partition-id", "replica-id", "copy-done", "optimization-barrier",
+                "add-dependency", "opt-barrier"}
+
+
+def kernels(text: str) -> list[Kernel]:
+  """The kernels of an optimized HLO module with their traffic; a while loop's body counts once
+  per known trip (its condition is not counted)."""
+  computations, entry = parse_module(text)
+  found: list[Kernel] = []
+
+  def walk(name: str, times: int) -> None:
+    for inst_name, inst in computations[name].items():
+      if inst.op == "while":
+        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attributes)
+        walk(_attribute(inst, "body"), times * (int(trips.group(1)) if trips else 1))
+      elif inst.op in ("call", "conditional"):
+        for called in re.findall(r"(?:to_apply|branch_computations=\{|, )%([\w.\-]+)", inst.attributes):
+          if called in computations:
+            walk(called, times)
+      elif inst.op not in _NOT_KERNELS:
+        body = computations.get(_attribute(inst, "calls") or "") if inst.op == "fusion" else None
+        if body is not None:
+          read, written = _fused_bytes(body)
+        else:
+          scope = computations[name]
+          read = sum(shape_bytes(scope[o].shape) for o in inst.operands if o in scope)
+          written = shape_bytes(inst.shape)
+        found.append(Kernel(inst_name, _kind(inst_name, inst, body), times, read, written))
+
+  walk(entry, 1)
+  return found
+
+
+def summary(text: str) -> dict[str, int]:
+  """Bytes moved a step by kind of kernel (KINDS), plus "total"."""
+  by_kind = collections.Counter({kind: 0 for kind in KINDS})
+  for k in kernels(text):
+    by_kind[k.kind] += k.bytes
+  return {**by_kind, "total": sum(by_kind.values())}
+
+
+def format_summary(moved: dict[str, int]) -> str:
+  """'152.1 GB a step: matmul 43.8, attention 3.2, fusion 91.0, ...' (GB = 1e9 bytes)."""
+  parts = ", ".join(f"{kind} {moved[kind] / 1e9:.1f}" for kind in KINDS if moved.get(kind))
+  return f"{moved['total'] / 1e9:.1f} GB a step ({parts})"
+
+
+def top_kernels(text: str, n: int) -> list[tuple[str, str, int, int]]:
+  """The n heaviest kernels by their name with numbered copies merged ('fusion.3' -> 'fusion'):
+  [(name, kind, runs a step, bytes a step)]."""
+  merged: dict[tuple[str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
+  for k in kernels(text):
+    entry = merged[(re.sub(r"\.\d+$", "", k.name), k.kind)]
+    entry[0] += k.count
+    entry[1] += k.bytes
+  rows = sorted(((name, kind, c, b) for (name, kind), (c, b) in merged.items()), key=lambda r: -r[3])
+  return rows[:n]
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m tfx.bench_traffic", description=__doc__.split("\n\n")[0])
+  parser.add_argument("module", help="optimized HLO text (an XLA dump's *after_optimizations.txt)")
+  parser.add_argument("--top", type=int, default=15, help="how many of the heaviest kernels to list")
+  args = parser.parse_args(argv)
+  with open(args.module) as f:
+    text = f.read()
+  print(format_summary(summary(text)))
+  for name, kind, count, moved in top_kernels(text, args.top):
+    print(f"{moved / 1e9:8.2f} GB  x{count:<4d} {kind:16s} {name}")
+
+
+if __name__ == "__main__":
+  main()
