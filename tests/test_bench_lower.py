@@ -238,12 +238,13 @@ def test_tiny_suite_compiles_for_a_tpu_slice_on_a_cpu(tmp_path):
     assert r["error"] is None
     assert (r["device_count"], r["device_kind"], r["batch_size"]) == (4, "TPU v5 lite", 8)
     assert r["attention"] == ["splash (TPU, segment ids)"]
-    assert r["kernel_calls"] == {"mosaic (Pallas)": 3}  # Mosaic compiled the splash kernels for a v5e
+    # Mosaic compiled the splash kernels for a v5e; the suite's unrolled layers call the one lowered
+    # body, as the depth runs' scanned loop does: 3 sites either way
+    assert r["kernel_calls"] == {"mosaic (Pallas)": 3}
     assert r["compile_s"] > 0
     assert 0 <= r["temp_bytes"] < r["device_bytes"] < 2**30  # a tiny model's step, arguments included
-  assert "compiled for 4 x TPU v5 lite" in proc.stdout
-  # the tiny gpt2_small has 2 layers: gpt2_small@2 is the same step, reported from the same compile
-  assert results[1]["compile_s"] == results[0]["compile_s"] and results[2]["compile_s"] != results[0]["compile_s"]
+    assert r["traffic"]["total"] > 0
+  assert "compiled for 4 x TPU v5 lite" in proc.stdout and "kernels move" in proc.stdout
 
   bad = run_with_libtpu("--config", os.path.join(ROOT, "configs", "tiny.py"), "--lower", "tpu", "--topology", "v5e")
   assert bad.returncode != 0
@@ -283,3 +284,4 @@ def test_tiny_gpt2_compiles_for_an_h100_on_a_cpu(tmp_path):
     assert r["error"] is None and r["device_kind"] == "NVIDIA H100 80GB HBM3" and r["compile_s"] > 0
   assert auto["kernel_calls"] == {"cudnn backward": 1, "cudnn forward": 1}  # cuDNN's own version check passed
   assert pallas["kernel_calls"] == {"triton (Pallas)": 3}  # and XLA:GPU compiled the Triton kernels
+  assert auto["traffic"]["attention"] > 0 and auto["traffic"]["matmul"] > 0 and "kernels move" in proc.stdout

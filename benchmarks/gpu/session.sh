@@ -9,21 +9,26 @@
 #   env          python, jax and its devices, nvidia-smi                                     30 s
 #   attention    a GPU's model.attention kernels (auto cudnn pallas xla) against float32   120 s
 #                (python -m tfx.check_attention)
-#   suite        the accelerator table: GPT-2-small, BERT-base, T5-base, XLNet-base at    300 s
-#                32 rows per device, then GPT-2's compile time at 12 and 48 layers
-#   t5_128       T5-base at the issue's 128 x 512 (its 0.25 s goal)                        90 s
+#   suite        the accelerator table: GPT-2-small, BERT-base, T5-base, XLNet-base at    420 s
+#                32 rows per device (layers unrolled), then GPT-2's compile time at 12 and
+#                48 scanned layers
+#   t5_128       T5-base at the issue's 128 x 512 (its 0.25 s goal)                       120 s
+#   scanned      GPT-2, BERT and T5 with their layers scanned (model.scan_unroll=1, the    240 s
+#                configs' default and the suite's until 2026-11-28), against the suite's rows
 #   kernels      GPT-2-small with model.attention=pallas, then xla (the suite's row is   150 s
 #                cuDNN, the default on a GPU: same batch, same machine)
 #   loss_chunk   GPT-2-small with the output projection fused into the loss (256 tokens  100 s
 #                a chunk; the suite's row is without)
-#   profile      three steps of each suite model traced (OUT/profile/<model>) and their   150 s
+#   profile      three steps of each suite model traced (OUT/profile/<model>) and their   300 s
 #                kernels summed by kind (python -m tfx.bench_profile)
 # The batch is fixed (32 rows) rather than searched: the suite's search compiles each model up to
 # seven times, more than one device session holds. 32 rows fit an H100 with room: compiled for one
 # here (`make gpu-compile`), every model's step at 64 rows fits (XLNet's the largest, 57 GiB) and
-# GPT-2's with XLA's attention takes 18 GiB at 16. On an H200 (2026-11-27) the first six steps
-# took 336 s together and the profile 130 s: all seven fit one 10-minute call; the limits below
-# are each step's worst case.
+# GPT-2's with XLA's attention takes 18 GiB at 16. On an H200 (2026-11-27, layers scanned) the
+# first six steps took 336 s together and the profile 130 s. Unrolled layers compile 2-3x longer
+# (compile-only here: GPT-2 10 -> 19 s, XLNet 43 -> 135 s on 2 cores), so plan two calls: `env
+# suite t5_128 scanned`, then `profile attention kernels loss_chunk`. The limits below are each
+# step's worst case.
 # Each step writes OUT/<step>.log and OUT/<step>.json; the last lines printed are
 # OUT/summary.txt, each step's exit status and seconds (124: over its limit).
 # TFX_GPU_ARCHIVE=FILE: after each step, OUT is also packed into FILE (.tgz), so that a call killed at
@@ -34,7 +39,7 @@ set -u
 out=$1
 shift
 steps=("$@")
-all_steps=(env attention suite t5_128 kernels loss_chunk profile)
+all_steps=(env attention suite t5_128 scanned kernels loss_chunk profile)
 [ ${#steps[@]} -gt 0 ] || steps=("${all_steps[@]}")
 for step in "${steps[@]}"; do
   [[ " ${all_steps[*]} " == *" $step "* ]] || { echo "unknown step $step (${all_steps[*]})" >&2; exit 2; }
@@ -86,11 +91,13 @@ print(\"ml_collections from\", ml_collections.__file__)'
            nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true" ;;
     attention) run attention 120 "$py" -m tfx.check_attention --implementations auto,cudnn,pallas,xla "${check[@]}" \
                  --json "$out/attention.json" ;;
-    suite) run suite 300 "${bench[@]}" --json "$out/suite.json" ;;
-    t5_128) run t5_128 90 "${bench[@]}" --only t5_base --skip-depth "${t5[@]}" --json "$out/t5_128.json" ;;
+    suite) run suite 420 "${bench[@]}" --json "$out/suite.json" ;;
+    t5_128) run t5_128 120 "${bench[@]}" --only t5_base --skip-depth "${t5[@]}" --json "$out/t5_128.json" ;;
+    scanned) run scanned 240 "${bench[@]}" --only gpt2_small,bert_base,t5_base --skip-depth \
+               --sweep model.scan_unroll=1 --json "$out/scanned.json" ;;
     kernels) run kernels 150 "${bench[@]}" --only gpt2_small --skip-depth --sweep model.attention=pallas,xla \
                --json "$out/kernels.json" ;;
-    profile) run profile 150 "${bench[@]}" --skip-depth --steps 3 --warmup 1 --profile "$out/profile" \
+    profile) run profile 300 "${bench[@]}" --skip-depth --steps 3 --warmup 1 --profile "$out/profile" \
                --json "$out/profile.json" ;;
     loss_chunk) run loss_chunk 100 "${bench[@]}" --only gpt2_small --skip-depth --sweep model.loss_chunk=256 \
                   --json "$out/loss_chunk.json" ;;
