@@ -332,6 +332,9 @@ def test_norm_backward_matches_autodiff(kind, dtype):
     assert a.dtype == b.dtype and a.shape == b.shape
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol)
+  # the only [..., e] residual is x itself, in its own dtype (xhat is recomputed, not kept in float32)
+  residuals = jax.tree_util.tree_leaves(jax.vjp(ours, x, scale, bias)[1])
+  assert [(r.shape, r.dtype) for r in residuals if getattr(r, "shape", None) == x.shape] == [(x.shape, x.dtype)]
 
 
 
