@@ -42,9 +42,9 @@ NO_DROPOUT = ("model.dropout=0.0", "model.attention_dropout=0.0")
 # The layer loop unrolled (parameters still stacked): a scanned loop copies each layer's saved
 # activations into the loop's stacked buffers and back, which a GPU pays in memory bandwidth.
 # Compiled for an H100 (`--lower gpu --topology h100`, 32 rows; `tfx.bench_traffic`), the kernels'
-# bytes a step fall from 158 to 121 GB (GPT-2), 76 to 54 (BERT), 135 to 114 (T5), 603 to 402
-# (XLNet); unrolled, remat saves nothing more than `none` (XLA merges the recomputation into the
-# forward pass). The compile-time-by-depth runs keep the scan: `SCANNED`.
+# bytes a step fall from 148 to 113 GB (GPT-2), 69 to 50 (BERT), 132 to 112 (T5), 594 to 394
+# (XLNet), for 1.4-8 GiB more memory; unrolled, remat saves nothing more than `none` (XLA merges
+# the recomputation into the forward pass). The compile-time-by-depth runs keep the scan: `SCANNED`.
 UNROLLED = ("model.scan_unroll=0",)
 SCANNED = ("model.scan_unroll=1",)
 TINY = ("model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.d_ff=128", "data.seq_len=64",
