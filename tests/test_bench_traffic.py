@@ -36,6 +36,13 @@ HLO = """HloModule jit_step, entry_computation_layout={()}
   ROOT %reduce.3 = f32[8]{0} reduce(%convert.3, %constant.4), dimensions={0,2}, to_apply=%add
 }
 
+%fused_pick (param_0: bf16[8,1024], param_1: s32[8,2]) -> f32[8,1] {
+  %param_0 = bf16[8,1024]{1,0} parameter(0)
+  %convert.5 = f32[8,1024]{1,0} convert(%param_0)
+  %param_1 = s32[8,2]{1,0} parameter(1)
+  ROOT %gather.5 = f32[8,1]{1,0} gather(%convert.5, %param_1), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0,1}, index_vector_dim=1, slice_sizes={1,1}
+}
+
 %body (arg: (s32[], bf16[12,8,1024])) -> (s32[], bf16[12,8,1024]) {
   %arg = (s32[], bf16[12,8,1024]{2,1,0}) parameter(0)
   %i = s32[] get-tuple-element(%arg), index=0
@@ -47,6 +54,8 @@ HLO = """HloModule jit_step, entry_computation_layout={()}
   %gemm = (bf16[8,1024]{1,0}, s8[4096]{0}) custom-call(%scaled, %scaled), custom_call_target="__cublas$gemm"
   %product = bf16[8,1024]{1,0} get-tuple-element(%gemm), index=0
   %updated = bf16[12,8,1024]{2,1,0} fusion(%stack, %product, %i), kind=kLoop, calls=%fused_stack
+  %where = s32[8,2]{1,0} constant({...})
+  %picked = f32[8,1]{1,0} fusion(%product, %where), kind=kLoop, calls=%fused_pick
   ROOT %tuple = (s32[], bf16[12,8,1024]{2,1,0}) tuple(%i, %updated)
 }
 
@@ -68,7 +77,7 @@ ENTRY %main (p0: bf16[12,8,1024]) -> bf16[12,8,1024] {
 
 def test_kernels_count_what_each_reads_and_writes_times_the_loop_trips():
   kernels = {k.name: k for k in bench_traffic.kernels(HLO)}
-  assert set(kernels) == {"row", "x", "scaled", "gemm", "updated", "copy.9"}
+  assert set(kernels) == {"row", "x", "scaled", "gemm", "updated", "picked", "copy.9"}
   row = 8 * 1024 * 2  # one [8, 1024] bf16 layer of the stack
   # the dynamic slice (and its 4-byte index), not the stack
   assert kernels["row"] == bench_traffic.Kernel("row", "fusion", 12, row + 4, 8 * 4)
@@ -77,6 +86,8 @@ def test_kernels_count_what_each_reads_and_writes_times_the_loop_trips():
   # written in place: the update only, and the stack it lands in is not read
   assert kernels["updated"] == bench_traffic.Kernel("updated", "in-place update", 12, row + 4, row)
   assert kernels["copy.9"] == bench_traffic.Kernel("copy.9", "copy", 1, 12 * row, 12 * row)
+  # a gather behind a convert reads the gathered elements, not the [8, 1024] operand
+  assert kernels["picked"] == bench_traffic.Kernel("picked", "fusion", 12, 8 * 4 + 8 * 2 * 4, 8 * 4)
   moved = bench_traffic.summary(HLO)
   assert moved["total"] == sum(k.bytes for k in kernels.values())
   assert moved["in-place update"] == 12 * (4 + 2 * row) and moved["attention"] == 0

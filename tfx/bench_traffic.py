@@ -11,7 +11,8 @@ bandwidth), so the bytes they move are the time they take, to first order: a com
 session is spent on it. Each kernel of the optimized module (a fusion, a cuBLAS/cuDNN custom
 call, a copy) counts the bytes of its operands and its result, times the trip count of the
 while loops around it (a scanned layer stack's body runs once per layer). Reads of a fused
-parameter only through a dynamic-slice count the slice, through a gather the gathered elements;
+parameter only through a dynamic-slice count the slice, through a gather the gathered elements
+(also behind a convert or bitcast);
 a dynamic-update-slice writes its update into a buffer it does not read (in place). What the
 count cannot see: caches (a kernel's re-read of what it just wrote), kernels' efficiency, and
 which matmul kernel autotuning picks on the device (compile-only builds skip autotuning).
@@ -94,6 +95,29 @@ def _attribute(inst: Instruction, key: str) -> str | None:
   return m.group(1) if m else None
 
 
+_PASS_THROUGH = ("bitcast", "convert", "reshape", "copy")  # elementwise: a slice of them reads a slice
+
+
+def _sliced_read(body: dict[str, Instruction], name: str) -> int | None:
+  """Bytes read of value `name` if every use of it ends (through bitcasts and converts) as the
+  sliced operand of a dynamic-slice or gather: their results' bytes; None if any use reads it whole."""
+  users = [u for u in body.items() if name in u[1].operands]
+  if not users:
+    return None
+  total = 0
+  for user_name, user in users:
+    if user.op in ("dynamic-slice", "gather") and user.operands[0] == name:
+      total += shape_bytes(user.shape)
+    elif user.op in _PASS_THROUGH:
+      inner = _sliced_read(body, user_name)
+      if inner is None:
+        return None
+      total += inner
+    else:
+      return None
+  return total
+
+
 def _fused_bytes(body: dict[str, Instruction]) -> tuple[int, int]:
   """(read, written) of a fused computation: see the module docstring for the rules."""
   in_place = {i.operands[0] for i in body.values() if i.op == "dynamic-update-slice"}
@@ -101,11 +125,8 @@ def _fused_bytes(body: dict[str, Instruction]) -> tuple[int, int]:
   for name, inst in body.items():
     if inst.op != "parameter" or name in in_place:
       continue
-    users = [u for u in body.values() if name in u.operands]
-    if users and all(u.op in ("dynamic-slice", "gather") and u.operands[0] == name for u in users):
-      read += sum(shape_bytes(u.shape) for u in users)
-    else:
-      read += shape_bytes(inst.shape)
+    sliced = _sliced_read(body, name)
+    read += shape_bytes(inst.shape) if sliced is None else sliced
   root = next(i for i in body.values() if i.root)
   outputs = [body[o] for o in root.operands] if root.op == "tuple" else [root]
   written = sum(shape_bytes(body[o.operands[1]].shape) if o.op == "dynamic-update-slice" else shape_bytes(o.shape)
