@@ -64,12 +64,19 @@ HLO = """HloModule jit_step, entry_computation_layout={()}
   ROOT %p = pred[] constant(true)
 }
 
+%side (p: f32[1024]) -> f32[1024] {
+  %p = f32[1024]{0} parameter(0)
+  ROOT %negate.7 = f32[1024]{0} negate(%p)
+}
+
 ENTRY %main (p0: bf16[12,8,1024]) -> bf16[12,8,1024] {
   %p0 = bf16[12,8,1024]{2,1,0} parameter(0)
   %zero = s32[] constant(0)
   %init = (s32[], bf16[12,8,1024]{2,1,0}) tuple(%zero, %p0)
   %loop = (s32[], bf16[12,8,1024]{2,1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"12"}}
   %out = bf16[12,8,1024]{2,1,0} get-tuple-element(%loop), index=1
+  %ones = f32[1024]{0} constant({...})
+  %called = f32[1024]{0} call(%ones), to_apply=%side
   ROOT %copy.9 = bf16[12,8,1024]{2,1,0} copy(%out)
 }
 """
@@ -77,7 +84,8 @@ ENTRY %main (p0: bf16[12,8,1024]) -> bf16[12,8,1024] {
 
 def test_kernels_count_what_each_reads_and_writes_times_the_loop_trips():
   kernels = {k.name: k for k in bench_traffic.kernels(HLO)}
-  assert set(kernels) == {"row", "x", "scaled", "gemm", "updated", "picked", "copy.9"}
+  assert set(kernels) == {"row", "x", "scaled", "gemm", "updated", "picked", "copy.9", "negate.7"}
+  assert kernels["negate.7"] == bench_traffic.Kernel("negate.7", "other", 1, 1024 * 4, 1024 * 4)  # in a call
   row = 8 * 1024 * 2  # one [8, 1024] bf16 layer of the stack
   # the dynamic slice (and its 4-byte index), not the stack
   assert kernels["row"] == bench_traffic.Kernel("row", "fusion", 12, row + 4, 8 * 4)
