@@ -42,7 +42,7 @@ NO_DROPOUT = ("model.dropout=0.0", "model.attention_dropout=0.0")
 # The layer loop unrolled (parameters still stacked): a scanned loop copies each layer's saved
 # activations into the loop's stacked buffers and back, which a GPU pays in memory bandwidth.
 # Compiled for an H100 (`--lower gpu --topology h100`, 32 rows; `tfx.bench_traffic`), the kernels'
-# bytes a step fall from 148 to 113 GB (GPT-2), 69 to 50 (BERT), 132 to 112 (T5), 594 to 394
+# bytes a step fall from 145 to 110 GB (GPT-2), 69 to 50 (BERT), 132 to 111 (T5), 594 to 394
 # (XLNet), for 1.4-8 GiB more memory; unrolled, remat saves nothing more than `none` (XLA merges
 # the recomputation into the forward pass). The compile-time-by-depth runs keep the scan: `SCANNED`.
 UNROLLED = ("model.scan_unroll=0",)

@@ -18,8 +18,8 @@ model's activation is no less exact than autodiff's bf16 arithmetic. The tanh GE
 is written with sigmoid, not tanh: with the forward pass's tanh(u) in it, XLA merged the two and
 kept tanh(u) as a float32 [b, t, f] residual (an optimization barrier on x prevents that too, but
 costs more: it splits the backward pass's fusions). Compiled for an H100 at 32 rows, against
-jax.nn's (`tfx.bench_traffic`; layers unrolled / scanned): GPT-2-small's kernels move 118.2 ->
-113.4 / 155.2 -> 148.0 GB a step and its unrolled step needs 14.5 instead of 16.7 GiB; BERT-base's
+jax.nn's (`tfx.bench_traffic`; layers unrolled / scanned): GPT-2-small's kernels move 114.9 ->
+110.1 / 151.9 -> 144.7 GB a step and its unrolled step needs 14.5 instead of 16.7 GiB; BERT-base's
 (erf GELU) 54.8 -> 49.9 / 79.1 -> 69.4 GB, 6.9 instead of 9.2 GiB.
 """
 
