@@ -14,7 +14,7 @@
 #                48 scanned layers
 #   t5_128       T5-base at the issue's 128 x 512 (its 0.25 s goal)                       120 s
 #   scanned      GPT-2, BERT and T5 with their layers scanned (model.scan_unroll=1, the    240 s
-#                configs' default and the suite's until 2026-11-28), against the suite's rows
+#                configs' default and the suite's until 2026-11-27), against the suite's rows
 #   kernels      GPT-2-small with model.attention=pallas, then xla (the suite's row is   150 s
 #                cuDNN, the default on a GPU: same batch, same machine)
 #   loss_chunk   GPT-2-small with the output projection fused into the loss (256 tokens  100 s
