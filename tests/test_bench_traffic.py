@@ -50,7 +50,7 @@ HLO = """HloModule jit_step, entry_computation_layout={()}
   %row = f32[8]{0} fusion(%stack, %i), kind=kInput, calls=%fused_row
   %x = f32[8,1024]{1,0} broadcast(%row), dimensions={0}
   %w = f32[1024]{0} constant({...})
-  %scaled = bf16[8,1024]{1,0} fusion(%x, %w), kind=kLoop, calls=%fused_scale
+  %scaled = bf16[8,1024]{1,0} fusion(%x, %w), kind=kLoop, calls=%fused_scale, metadata={op_name="jit(step_fn)/jvp(M)/layers_3/checkpoint/mlp/mul" source_line=1}
   %gemm = (bf16[8,1024]{1,0}, s8[4096]{0}) custom-call(%scaled, %scaled), custom_call_target="__cublas$gemm"
   %product = bf16[8,1024]{1,0} get-tuple-element(%gemm), index=0
   %updated = bf16[12,8,1024]{2,1,0} fusion(%stack, %product, %i), kind=kLoop, calls=%fused_stack
@@ -89,7 +89,8 @@ def test_kernels_count_what_each_reads_and_writes_times_the_loop_trips():
   row = 8 * 1024 * 2  # one [8, 1024] bf16 layer of the stack
   # the dynamic slice (and its 4-byte index), not the stack
   assert kernels["row"] == bench_traffic.Kernel("row", "fusion", 12, row + 4, 8 * 4)
-  assert kernels["scaled"] == bench_traffic.Kernel("scaled", "fusion", 12, 8 * 1024 * 4 + 1024 * 4, row)
+  assert kernels["scaled"] == bench_traffic.Kernel("scaled", "fusion", 12, 8 * 1024 * 4 + 1024 * 4, row,
+                                                   "jvp(M)/layers_N/mlp/mul")
   assert kernels["gemm"].kind == "matmul" and kernels["gemm"].read == 2 * row
   # written in place: the update only, and the stack it lands in is not read
   assert kernels["updated"] == bench_traffic.Kernel("updated", "in-place update", 12, row + 4, row)
@@ -104,6 +105,9 @@ def test_kernels_count_what_each_reads_and_writes_times_the_loop_trips():
   assert [(name, moved) for name, _, _, moved in top] == [(k.name, k.bytes) for k in sorted(
       kernels.values(), key=lambda k: -k.bytes)][:3]
   assert ("copy", "copy", 1, 2 * 12 * row) in bench_traffic.top_kernels(HLO, 6)  # copy.9 named as copy
+  by_op = bench_traffic.top_kernels(HLO, 10, by="op")  # kernels without metadata keep their names
+  assert ("jvp(M)/layers_N/mlp/mul", "fusion", 12, kernels["scaled"].bytes) in by_op
+  assert ("copy.9", "copy", 1, 2 * 12 * row) in by_op
 
 
 def test_a_compiled_cpu_step_is_read_too():
@@ -131,5 +135,7 @@ def test_cli_prints_the_summary_and_the_heaviest_kernels(tmp_path, capsys):
   lines = capsys.readouterr().out.splitlines()
   assert lines[0].startswith("0.0 GB a step (") and len(lines) == 4
   assert lines[1].split()[-1] in ("scaled", "gemm") and "x12" in lines[1]
+  bench_traffic.main([str(path), "--top", "8", "--by", "op"])
+  assert "jvp(M)/layers_N/mlp/mul" in capsys.readouterr().out
   with pytest.raises(ValueError, match="no ENTRY"):
     bench_traffic.kernels("HloModule empty\n")

@@ -2,7 +2,7 @@
 bandwidth goes, without the device.
 
     python -m tfx.bench --suite accel --lower gpu --topology h100 --only gpt2_small   (prints it)
-    python -m tfx.bench_traffic module.txt [--top 20]    (an HLO dump's *_after_optimizations.txt)
+    python -m tfx.bench_traffic module.txt [--top 20] [--by op]   (an XLA dump's *after_optimizations.txt)
 
 On a GPU the step's elementwise and reduction fusions are bound by memory bandwidth, not
 arithmetic (GPT-2-small on an H200: 43% of the step in XLA fusions, which by this count moved
@@ -55,14 +55,15 @@ class Instruction:
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-  """One kernel of the step: its instruction's name, kind (KINDS), how often it runs a step, and
-  the bytes it reads and writes each time."""
+  """One kernel of the step: its instruction's name, kind (KINDS), how often it runs a step, the
+  bytes it reads and writes each time, and the model operation it came from (`op_of`)."""
 
   name: str
   kind: str
   count: int
   read: int
   written: int
+  op: str = ""
 
   @property
   def bytes(self) -> int:
@@ -153,6 +154,20 @@ def _kind(name: str, inst: Instruction, body: dict[str, Instruction] | None) -> 
   return "copy" if inst.op in ("copy", "copy-start", "transpose") else "other"
 
 
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_OP_NOISE = re.compile(r"^jit\([^)]*\)/|(?<=/)(closed_call|checkpoint|rematted_computation|while/body)/")
+
+
+def op_of(inst: Instruction) -> str:
+  """The JAX operation an instruction came from, from its metadata, without the jit and remat
+  wrappers and with layer numbers dropped ('transpose(jvp(Decoder))/decoder/layers_N/mlp/wi_0/
+  reduce_sum'); '' when it has none."""
+  m = _OP_NAME.search(inst.attributes)
+  if not m:
+    return ""
+  return re.sub(r"layers?_\d+", "layers_N", _OP_NOISE.sub("", m.group(1)))
+
+
 _NOT_KERNELS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "conditional",
                 "call", "after-all", "partition-id", "replica-id", "copy-done", "optimization-barrier",
                 "add-dependency", "opt-barrier"}
@@ -181,7 +196,7 @@ def kernels(text: str) -> list[Kernel]:
           scope = computations[name]
           read = sum(shape_bytes(scope[o].shape) for o in inst.operands if o in scope)
           written = shape_bytes(inst.shape)
-        found.append(Kernel(inst_name, _kind(inst_name, inst, body), times, read, written))
+        found.append(Kernel(inst_name, _kind(inst_name, inst, body), times, read, written, op_of(inst)))
 
   walk(entry, 1)
   return found
@@ -202,12 +217,14 @@ def format_summary(moved: dict[str, int]) -> str:
   return f"{moved['total'] / 1e9:.1f} GB a step ({parts})"
 
 
-def top_kernels(text: str, n: int) -> list[tuple[str, str, int, int]]:
-  """The n heaviest kernels by their name with numbered copies merged ('fusion.3' -> 'fusion'):
-  [(name, kind, runs a step, bytes a step)]."""
+def top_kernels(text: str, n: int, by: str = "name") -> list[tuple[str, str, int, int]]:
+  """The n heaviest kernels, [(key, kind, runs a step, bytes a step)]: by="name" merges numbered
+  copies ('fusion.3' -> 'fusion'), by="op" the kernels of one model operation (`op_of`: all
+  layers' MLP bias gradients are one row)."""
   merged: dict[tuple[str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
   for k in kernels(text):
-    entry = merged[(re.sub(r"\.\d+$", "", k.name), k.kind)]
+    key = (k.op or k.name) if by == "op" else re.sub(r"\.\d+$", "", k.name)
+    entry = merged[(key, k.kind)]
     entry[0] += k.count
     entry[1] += k.bytes
   rows = sorted(((name, kind, c, b) for (name, kind), (c, b) in merged.items()), key=lambda r: -r[3])
@@ -218,11 +235,14 @@ def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(prog="python -m tfx.bench_traffic", description=__doc__.split("\n\n")[0])
   parser.add_argument("module", help="optimized HLO text (an XLA dump's *after_optimizations.txt)")
   parser.add_argument("--top", type=int, default=15, help="how many of the heaviest kernels to list")
+  parser.add_argument("--by", choices=("name", "op"), default="name",
+                      help="group kernels by their name (numbered copies merged) or by the model operation they "
+                           "came from (the HLO metadata's op_name, layer numbers dropped)")
   args = parser.parse_args(argv)
   with open(args.module) as f:
     text = f.read()
   print(format_summary(summary(text)))
-  for name, kind, count, moved in top_kernels(text, args.top):
+  for name, kind, count, moved in top_kernels(text, args.top, by=args.by):
     print(f"{moved / 1e9:8.2f} GB  x{count:<4d} {kind:16s} {name}")
 
 
