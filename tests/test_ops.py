@@ -359,7 +359,7 @@ def test_activation_backward_matches_float64(name, dtype):
   equal float64 numpy's, jax.nn's autodiff agrees, the input's dtype is kept, the VJP is itself
   differentiable, and x is the only [b, t, f] residual the forward pass hands the backward."""
   from tfx.ops import activations
-  ours = getattr(activations, name)
+  ours = getattr(activations, f"{name}_one_pass")
   theirs = {"gelu": lambda x: jax.nn.gelu(x, approximate=True),
             "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False), "silu": jax.nn.silu}[name]
   x = jnp.linspace(-9.0, 9.0, 301).reshape(7, 43).astype(dtype)
@@ -381,3 +381,10 @@ def test_activation_backward_matches_float64(name, dtype):
   np.testing.assert_allclose(second, want2, rtol=1e-3, atol=1e-4)  # 1 - s cancels in float32 where s -> 1
   residuals = jax.tree_util.tree_leaves(jax.vjp(ours, x32)[1])
   assert [r.shape for r in residuals if getattr(r, "shape", None) == x.shape] == [x.shape]
+  # the models' entry point: jax.nn's autodiff on this CPU, the one-pass backward traced for a GPU
+  from tfx.ops import target
+  act = getattr(activations, name)
+  plain = str(jax.make_jaxpr(lambda z: act(z))(x32))  # fresh functions: a trace is cached per function
+  with target.lowering_for("gpu"):
+    fused = str(jax.make_jaxpr(lambda z: act(z))(x32))
+  assert "custom_vjp_call" not in plain and "custom_vjp_call" in fused

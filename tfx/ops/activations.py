@@ -1,4 +1,7 @@
-"""MLP activations with a one-pass backward: the residual is the input alone.
+"""MLP activations with a one-pass backward on accelerators: the residual is the input alone.
+
+`gelu`, `gelu_exact` and `silu` (what the models call) take the one-pass versions below when the
+step is traced for a GPU or TPU and jax.nn's autodiff on a CPU (see their definition).
 
 Autodiff of `jax.nn.gelu(x, approximate=True)` keeps tanh(u) (and x) for the backward pass and
 computes the derivative in several elementwise steps; on an accelerator, where these passes are
@@ -28,6 +31,8 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+
+from tfx.ops import target
 
 _C = math.sqrt(2.0 / math.pi)
 _A = 0.044715
@@ -78,6 +83,22 @@ def _one_pass(f: Callable, df: Callable) -> Callable:
   return act
 
 
-gelu = _one_pass(_gelu_tanh, _d_gelu_tanh)  # GPT-2's gelu_new, T5 v1.1's gated-gelu
-gelu_exact = _one_pass(_gelu_erf, _d_gelu_erf)  # BERT's gelu
-silu = _one_pass(_silu, _d_silu)
+gelu_one_pass = _one_pass(_gelu_tanh, _d_gelu_tanh)
+gelu_exact_one_pass = _one_pass(_gelu_erf, _d_gelu_erf)
+silu_one_pass = _one_pass(_silu, _d_silu)
+
+
+def _by_platform(one_pass: Callable, autodiff: Callable) -> Callable:
+  def act(x: jax.Array) -> jax.Array:
+    return autodiff(x) if target.backend() == "cpu" else one_pass(x)
+  return act
+
+
+# What the models call: the one-pass backward where the step is bound by memory bandwidth (GPU,
+# TPU, and a cross-lowering for one), jax.nn's autodiff on a CPU, where computing the derivative
+# again costs more than reading a kept tanh(u): the peer benchmark's T5 at 12 layers (gated GELU),
+# interleaved against HF, ran 0.86x HF's step with the one-pass version and 0.79x with jax.nn's
+# (2026-11-27, `make bench-peer ARGS="--models t5 --sizes deep --reps 5"`).
+gelu = _by_platform(gelu_one_pass, lambda x: jax.nn.gelu(x, approximate=True))  # GPT-2's gelu_new, T5 v1.1's
+gelu_exact = _by_platform(gelu_exact_one_pass, lambda x: jax.nn.gelu(x, approximate=False))  # BERT's gelu
+silu = _by_platform(silu_one_pass, jax.nn.silu)
