@@ -39,13 +39,14 @@ def test_session_runs_every_step_and_writes_its_results(tmp_path):
         path = os.path.join(folder, name)
         z.write(path, os.path.relpath(path, os.path.dirname(package)))
   env = dict(os.environ, PYTHON=sys.executable, TFX_GPU_TINY="1", TFX_GPU_WHEELS=str(wheels),
-             PYTHONPATH=str(blocker), JAX_PLATFORMS="cpu")
+             PYTHONPATH=str(blocker), JAX_PLATFORMS="cpu",
+             TFX_GPU_BASELINE=ROOT)  # the "older tree" is this one
   proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu", "session.sh"), str(out)], env=env,
                         capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-2000:]
   summary = (out / "summary.txt").read_text().splitlines()
   assert [line.split()[0] for line in summary] == ["env", "attention", "suite", "t5_128", "scanned", "kernels",
-                                                          "loss_chunk", "profile"]
+                                                          "loss_chunk", "profile", "baseline"]
   assert all(line.split()[1] == "rc=0" for line in summary), summary
   assert proc.stdout.rstrip().endswith(summary[-1])  # the summary is printed last
   env_log = (out / "env.log").read_text()
@@ -56,6 +57,10 @@ def test_session_runs_every_step_and_writes_its_results(tmp_path):
   suite = json.loads((out / "suite.json").read_text())
   assert [m["name"] for m in suite["models"]] == ["gpt2_small", "bert_base", "t5_base", "xlnet_base"]
   assert all(m["batch_size"] == 2 for m in suite["models"]) and sorted(suite["compile_layers"]) == ["2", "8"]
+  assert all(m["profile"]["busy_ms_per_step"] > 0 for m in suite["models"])  # traced after the timed steps
+  baseline = json.loads((out / "baseline.json").read_text())
+  assert [m["name"] for m in baseline["models"]] == [m["name"] for m in suite["models"]]
+  assert baseline["compile_layers"] == {}
   t5 = json.loads((out / "t5_128.json").read_text())
   assert [m["name"] for m in t5["models"]] == ["t5_base"] and t5["models"][0]["batch_size"] == 4
   assert t5["compile_layers"] == {}
@@ -70,6 +75,14 @@ def test_session_runs_every_step_and_writes_its_results(tmp_path):
   profiled = json.loads((out / "profile.json").read_text())
   assert all(m["profile"]["busy_ms_per_step"] > 0 for m in profiled["models"])
   assert sorted(p.name for p in (out / "profile").iterdir()) == sorted(m["name"] for m in profiled["models"])
+
+
+def test_the_baseline_step_needs_an_older_tree(tmp_path):
+  env = {k: v for k, v in os.environ.items() if k != "TFX_GPU_BASELINE"}
+  proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu", "session.sh"), str(tmp_path), "env", "baseline"],
+                        env=env, capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 2 and "TFX_GPU_BASELINE" in proc.stderr
+  assert not (tmp_path / "env.log").exists()
 
 
 def test_an_unknown_step_is_refused(tmp_path):

@@ -10,8 +10,9 @@
 #   attention    a GPU's model.attention kernels (auto cudnn pallas xla) against float32   120 s
 #                (python -m tfx.check_attention)
 #   suite        the accelerator table: GPT-2-small, BERT-base, T5-base, XLNet-base at    420 s
-#                32 rows per device (layers unrolled), then GPT-2's compile time at 12 and
-#                48 scanned layers
+#                32 rows per device (layers unrolled), each then traced for three more steps
+#                (OUT/suite_traces/<model>, summed by kind in suite.json), then GPT-2's compile
+#                time at 12 and 48 scanned layers
 #   t5_128       T5-base at the issue's 128 x 512 (its 0.25 s goal)                       120 s
 #   scanned      GPT-2, BERT and T5 with their layers scanned (model.scan_unroll=1, the    240 s
 #                configs' default and the suite's until 2026-11-27), against the suite's rows
@@ -19,6 +20,9 @@
 #                cuDNN, the default on a GPU: same batch, same machine)
 #   loss_chunk   GPT-2-small with the output projection fused into the loss (256 tokens  100 s
 #                a chunk; the suite's row is without)
+#   baseline     the suite's four rows (no depth) run by an older tree of the project, the 240 s
+#                folder in TFX_GPU_BASELINE (`git archive REV tfx configs | tar -x -C DIR`):
+#                its program against this one's on the same machine
 #   profile      three steps of each suite model traced (OUT/profile/<model>) and their   300 s
 #                kernels summed by kind (python -m tfx.bench_profile)
 # The batch is fixed (32 rows) rather than searched: the suite's search compiles each model up to
@@ -31,24 +35,31 @@
 # step's worst case.
 # Each step writes OUT/<step>.log and OUT/<step>.json; the last lines printed are
 # OUT/summary.txt, each step's exit status and seconds (124: over its limit).
-# TFX_GPU_ARCHIVE=FILE: after each step, OUT is also packed into FILE (.tgz), so that a call killed at
-# its limit still returns the finished steps as one file (a device call returns at most 8 files).
+# TFX_GPU_ARCHIVE=FILE: after each step, OUT (less the traces) is also packed into FILE (.tgz), so that
+# a call killed at its limit still returns the finished steps as one file (a device call returns at
+# most 8 files).
 # TFX_GPU_TINY=1: every step at toy sizes, on whatever device (tests/test_gpu_session.py, on a CPU).
 set -u
 [ $# -ge 1 ] || { echo "usage: $0 OUT [STEP ...]" >&2; exit 2; }
 out=$1
 shift
 steps=("$@")
-all_steps=(env attention suite t5_128 scanned kernels loss_chunk profile)
+all_steps=(env attention suite t5_128 scanned kernels loss_chunk profile baseline)
 [ ${#steps[@]} -gt 0 ] || steps=("${all_steps[@]}")
 for step in "${steps[@]}"; do
   [[ " ${all_steps[*]} " == *" $step "* ]] || { echo "unknown step $step (${all_steps[*]})" >&2; exit 2; }
 done
+base=
+if [[ " ${steps[*]} " == *" baseline "* ]]; then
+  [ -d "${TFX_GPU_BASELINE:-}" ] || { echo "baseline: TFX_GPU_BASELINE must name an older tree's folder" >&2; exit 2; }
+  base=$(cd "$TFX_GPU_BASELINE" && pwd)
+fi
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
+py=${PYTHON:-python3}
+[[ $py != */* ]] || py=$(cd "$(dirname "$py")" && pwd)/$(basename "$py")  # the baseline runs elsewhere
 cd "$(dirname "$0")/../.."
 : > "$out/summary.txt"
-py=${PYTHON:-python3}
 
 # The device image has jax, flax, optax, orbax and sentencepiece but not every import of the
 # benchmark path (ml-collections): those travel as wheels (benchmarks/gpu/wheels, or the folder in
@@ -58,7 +69,8 @@ trap 'rm -rf "$deps"' EXIT
 for wheel in "${TFX_GPU_WHEELS:-benchmarks/gpu/wheels}"/*.whl; do
   [ -e "$wheel" ] && "$py" -m zipfile -e "$wheel" "$deps"
 done
-export PYTHONPATH="$PWD:$deps${PYTHONPATH:+:$PYTHONPATH}"
+outer_path=${PYTHONPATH:-}
+export PYTHONPATH="$PWD:$deps${outer_path:+:$outer_path}"
 
 size=(--batch 32)
 t5=(--batch 128)
@@ -78,7 +90,7 @@ run() {  # run NAME LIMIT_SECONDS COMMAND...
   echo "== $name (rc=$rc)"
   tail -n 20 "$out/$name.log"
   if [ -n "${TFX_GPU_ARCHIVE:-}" ]; then
-    tar -czf "$TFX_GPU_ARCHIVE.part" -C "$out" . && mv "$TFX_GPU_ARCHIVE.part" "$TFX_GPU_ARCHIVE"
+    tar -czf "$TFX_GPU_ARCHIVE.part" --exclude=./profile --exclude=./suite_traces -C "$out" . && mv "$TFX_GPU_ARCHIVE.part" "$TFX_GPU_ARCHIVE"
   fi
 }
 
@@ -91,7 +103,7 @@ print(\"ml_collections from\", ml_collections.__file__)'
            nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true" ;;
     attention) run attention 120 "$py" -m tfx.check_attention --implementations auto,cudnn,pallas,xla "${check[@]}" \
                  --json "$out/attention.json" ;;
-    suite) run suite 420 "${bench[@]}" --json "$out/suite.json" ;;
+    suite) run suite 420 "${bench[@]}" --profile "$out/suite_traces" --json "$out/suite.json" ;;
     t5_128) run t5_128 120 "${bench[@]}" --only t5_base --skip-depth "${t5[@]}" --json "$out/t5_128.json" ;;
     scanned) run scanned 240 "${bench[@]}" --only gpt2_small,bert_base,t5_base --skip-depth \
                --sweep model.scan_unroll=1 --json "$out/scanned.json" ;;
@@ -101,6 +113,9 @@ print(\"ml_collections from\", ml_collections.__file__)'
                --json "$out/profile.json" ;;
     loss_chunk) run loss_chunk 100 "${bench[@]}" --only gpt2_small --skip-depth --sweep model.loss_chunk=256 \
                   --json "$out/loss_chunk.json" ;;
+    baseline) run baseline 240 env PYTHONPATH="$base:$deps${outer_path:+:$outer_path}" \
+                bash -c 'cd "$0" && exec "$@"' "$base" \
+                "${bench[@]}" --skip-depth --json "$out/baseline.json" ;;
   esac
 done
 echo "== summary ($out)"

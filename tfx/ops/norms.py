@@ -22,13 +22,11 @@ import jax
 import jax.numpy as jnp
 
 
-def _normalise(x, eps: float, centre: bool):
-  """x [..., e] -> (xhat float32 [..., e], r float32 [..., 1])."""
-  xf = x.astype(jnp.float32)
-  if centre:
-    xf = xf - jnp.mean(xf, axis=-1, keepdims=True)
-  r = jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)
-  return xf * r, r
+def _row_stats(xf, eps: float, centre: bool):
+  """xf float32 [..., e] -> (mean [..., 1], or a float32 zero without centring; r [..., 1])."""
+  mean = jnp.mean(xf, axis=-1, keepdims=True) if centre else jnp.zeros((), jnp.float32)
+  r = jax.lax.rsqrt(jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True) + eps)
+  return mean, r
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -38,8 +36,7 @@ def _norm(x, scale, bias, eps: float, centre: bool):
 
 def _norm_fwd(x, scale, bias, eps, centre):
   xf = x.astype(jnp.float32)
-  mean = jnp.mean(xf, axis=-1, keepdims=True) if centre else jnp.zeros((), jnp.float32)  # [..., 1]
-  r = jax.lax.rsqrt(jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True) + eps)  # [..., 1]
+  mean, r = _row_stats(xf, eps, centre)  # [..., 1] each
   y = (xf - mean) * r * scale
   # x itself (in its own dtype, usually alive anyway as the residual stream) and the row
   # statistics are kept, not xhat: a float32 [..., e] residual would be written here and read
@@ -52,7 +49,6 @@ def _norm_bwd(eps, centre, residuals, dy):
   # recomputed from x: the barrier keeps XLA from merging it with the forward pass's xhat, which
   # would keep that alive as the float32 residual this avoids
   x, mean, r = jax.lax.optimization_barrier((x, mean, r))
-  x_like = x
   xhat = (x.astype(jnp.float32) - mean) * r  # [..., e]
   dy = dy.astype(jnp.float32)  # [..., e]
   rows = tuple(range(dy.ndim - 1))
@@ -60,7 +56,7 @@ def _norm_bwd(eps, centre, residuals, dy):
   inner = g - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True)
   if centre:
     inner = inner - jnp.mean(g, axis=-1, keepdims=True)
-  dx = (r * inner).astype(x_like.dtype)
+  dx = (r * inner).astype(x.dtype)
   d_scale = jnp.sum(dy * xhat, axis=rows)
   d_bias = None if bias is None else jnp.sum(dy, axis=rows)
   return dx, d_scale, d_bias
