@@ -62,8 +62,9 @@ def test_session_runs_every_step_and_writes_its_results(tmp_path):
   assert [m["name"] for m in baseline["models"]] == [m["name"] for m in suite["models"]]
   assert baseline["compile_layers"] == {}
   t5 = json.loads((out / "t5_128.json").read_text())
-  assert [m["name"] for m in t5["models"]] == ["t5_base"] and t5["models"][0]["batch_size"] == 4
-  assert t5["compile_layers"] == {}
+  assert [r["overrides"] for r in t5["runs"]] == [["model.scan_unroll=1"], ["model.scan_unroll=0"]]
+  assert all([m["name"] for m in r["models"]] == ["t5_base"] and r["models"][0]["batch_size"] == 4
+             and r["compile_layers"] == {} for r in t5["runs"])
   scanned = json.loads((out / "scanned.json").read_text())
   assert [r["overrides"] for r in scanned["runs"]] == [["model.scan_unroll=1"]]
   assert [m["name"] for m in scanned["runs"][0]["models"]] == ["gpt2_small", "bert_base", "t5_base"]
@@ -79,8 +80,9 @@ def test_session_runs_every_step_and_writes_its_results(tmp_path):
 
 def test_the_baseline_step_needs_an_older_tree(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "TFX_GPU_BASELINE"}
-  proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu", "session.sh"), str(tmp_path), "env", "baseline"],
-                        env=env, capture_output=True, text=True, timeout=60)
+  session = os.path.join(ROOT, "benchmarks", "gpu", "session.sh")
+  proc = subprocess.run(["bash", session, str(tmp_path), "env", "baseline"], env=env, capture_output=True, text=True,
+                        timeout=60)
   assert proc.returncode == 2 and "TFX_GPU_BASELINE" in proc.stderr
   assert not (tmp_path / "env.log").exists()
 

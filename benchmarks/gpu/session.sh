@@ -13,7 +13,8 @@
 #                32 rows per device (layers unrolled), each then traced for three more steps
 #                (OUT/suite_traces/<model>, summed by kind in suite.json), then GPT-2's compile
 #                time at 12 and 48 scanned layers
-#   t5_128       T5-base at the issue's 128 x 512 (its 0.25 s goal)                       120 s
+#   t5_128       T5-base at the issue's 128 x 512 (its 0.25 s goal), layers scanned, then 300 s
+#                unrolled (which did not finish in 120 s on an H100: compile-only here, 33 s)
 #   scanned      GPT-2, BERT and T5 with their layers scanned (model.scan_unroll=1, the    240 s
 #                configs' default and the suite's until 2026-11-27), against the suite's rows
 #   kernels      GPT-2-small with model.attention=pallas, then xla (the suite's row is   150 s
@@ -29,10 +30,10 @@
 # seven times, more than one device session holds. 32 rows fit an H100 with room: compiled for one
 # here (`make gpu-compile`), every model's step at 64 rows fits (XLNet's the largest, 57 GiB) and
 # GPT-2's with XLA's attention takes 18 GiB at 16. On an H200 (2026-11-27, layers scanned) the
-# first six steps took 336 s together and the profile 130 s. Unrolled layers compile 2-3x longer
-# (compile-only here: GPT-2 10 -> 19 s, XLNet 43 -> 135 s on 2 cores), so plan two calls: `env
-# suite t5_128 scanned`, then `profile attention kernels loss_chunk`. The limits below are each
-# step's worst case.
+# first six steps took 336 s together and the profile 130 s; on an H100 (the same day, unrolled)
+# env 4 s, suite 342 s (the four models' compiles 13-43 s), baseline 135 s. A session's 15 minutes
+# of device time hold about two such calls (a machine's start counts too): `env suite baseline`,
+# then `t5_128 scanned kernels loss_chunk`. The limits are each step's worst case.
 # Each step writes OUT/<step>.log and OUT/<step>.json; the last lines printed are
 # OUT/summary.txt, each step's exit status and seconds (124: over its limit).
 # TFX_GPU_ARCHIVE=FILE: after each step, OUT (less the traces) is also packed into FILE (.tgz), so that
@@ -90,7 +91,8 @@ run() {  # run NAME LIMIT_SECONDS COMMAND...
   echo "== $name (rc=$rc)"
   tail -n 20 "$out/$name.log"
   if [ -n "${TFX_GPU_ARCHIVE:-}" ]; then
-    tar -czf "$TFX_GPU_ARCHIVE.part" --exclude=./profile --exclude=./suite_traces -C "$out" . && mv "$TFX_GPU_ARCHIVE.part" "$TFX_GPU_ARCHIVE"
+    tar -czf "$TFX_GPU_ARCHIVE.part" --exclude=./profile --exclude=./suite_traces -C "$out" . &&
+      mv "$TFX_GPU_ARCHIVE.part" "$TFX_GPU_ARCHIVE"
   fi
 }
 
@@ -98,13 +100,15 @@ bench=("$py" -m tfx.bench --suite accel "${size[@]}")
 for step in "${steps[@]}"; do
   case $step in
     env) run env 30 bash -c "$py -c 'import sys, jax, flax, optax, ml_collections
-print(sys.version); print(\"jax\", jax.__version__, jax.devices()); print(\"flax\", flax.__version__, \"optax\", optax.__version__)
+print(sys.version); print(\"jax\", jax.__version__, jax.devices())
+print(\"flax\", flax.__version__, \"optax\", optax.__version__)
 print(\"ml_collections from\", ml_collections.__file__)'
            nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true" ;;
     attention) run attention 120 "$py" -m tfx.check_attention --implementations auto,cudnn,pallas,xla "${check[@]}" \
                  --json "$out/attention.json" ;;
     suite) run suite 420 "${bench[@]}" --profile "$out/suite_traces" --json "$out/suite.json" ;;
-    t5_128) run t5_128 120 "${bench[@]}" --only t5_base --skip-depth "${t5[@]}" --json "$out/t5_128.json" ;;
+    t5_128) run t5_128 300 "${bench[@]}" --only t5_base --skip-depth "${t5[@]}" --sweep model.scan_unroll=1,0 \
+              --json "$out/t5_128.json" ;;
     scanned) run scanned 240 "${bench[@]}" --only gpt2_small,bert_base,t5_base --skip-depth \
                --sweep model.scan_unroll=1 --json "$out/scanned.json" ;;
     kernels) run kernels 150 "${bench[@]}" --only gpt2_small --skip-depth --sweep model.attention=pallas,xla \
