@@ -43,6 +43,11 @@ HLO = """HloModule jit_step, entry_computation_layout={()}
   ROOT %gather.5 = f32[8,1]{1,0} gather(%convert.5, %param_1), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0,1}, index_vector_dim=1, slice_sizes={1,1}
 }
 
+%fused_cut (param_0: bf16[8,4096]) -> bf16[8,1024] {
+  %param_0 = bf16[8,4096]{1,0} parameter(0)
+  ROOT %slice.6 = bf16[8,1024]{1,0} slice(%param_0), slice={[0:8], [1024:2048]}
+}
+
 %body (arg: (s32[], bf16[12,8,1024])) -> (s32[], bf16[12,8,1024]) {
   %arg = (s32[], bf16[12,8,1024]{2,1,0}) parameter(0)
   %i = s32[] get-tuple-element(%arg), index=0
@@ -77,6 +82,8 @@ ENTRY %main (p0: bf16[12,8,1024]) -> bf16[12,8,1024] {
   %out = bf16[12,8,1024]{2,1,0} get-tuple-element(%loop), index=1
   %ones = f32[1024]{0} constant({...})
   %called = f32[1024]{0} call(%ones), to_apply=%side
+  %wide = bf16[8,4096]{1,0} constant({...})
+  %cut = bf16[8,1024]{1,0} fusion(%wide), kind=kLoop, calls=%fused_cut
   ROOT %copy.9 = bf16[12,8,1024]{2,1,0} copy(%out)
 }
 """
@@ -84,7 +91,7 @@ ENTRY %main (p0: bf16[12,8,1024]) -> bf16[12,8,1024] {
 
 def test_kernels_count_what_each_reads_and_writes_times_the_loop_trips():
   kernels = {k.name: k for k in bench_traffic.kernels(HLO)}
-  assert set(kernels) == {"row", "x", "scaled", "gemm", "updated", "picked", "copy.9", "negate.7"}
+  assert set(kernels) == {"row", "x", "scaled", "gemm", "updated", "picked", "copy.9", "negate.7", "cut"}
   assert kernels["negate.7"] == bench_traffic.Kernel("negate.7", "other", 1, 1024 * 4, 1024 * 4)  # in a call
   row = 8 * 1024 * 2  # one [8, 1024] bf16 layer of the stack
   # the dynamic slice (and its 4-byte index), not the stack
@@ -97,6 +104,8 @@ def test_kernels_count_what_each_reads_and_writes_times_the_loop_trips():
   assert kernels["copy.9"] == bench_traffic.Kernel("copy.9", "copy", 1, 12 * row, 12 * row)
   # a gather behind a convert reads the gathered elements, not the [8, 1024] operand
   assert kernels["picked"] == bench_traffic.Kernel("picked", "fusion", 12, 8 * 4 + 8 * 2 * 4, 8 * 4)
+  # a static slice of a wider result (XLA's merged matmuls) reads the slice
+  assert kernels["cut"] == bench_traffic.Kernel("cut", "fusion", 1, row, row)
   moved = bench_traffic.summary(HLO)
   assert moved["total"] == sum(k.bytes for k in kernels.values())
   assert moved["in-place update"] == 12 * (4 + 2 * row) and moved["attention"] == 0

@@ -5,15 +5,17 @@ bandwidth goes, without the device.
     python -m tfx.bench_traffic module.txt [--top 20] [--by op]   (an XLA dump's *after_optimizations.txt)
 
 On a GPU the step's elementwise and reduction fusions are bound by memory bandwidth, not
-arithmetic (GPT-2-small on an H200: 43% of the step in XLA fusions, which by this count moved
-133.5 GB in 37.1 ms, 3.6 of the chip's 4.8 TB/s; BERT, T5 and XLNet 3.1-3.9), so the bytes they
-move are the time they take, to first order: a compile-only build
+arithmetic (on an H100, 2026-11-27: GPT-2-small's, BERT-base's, T5-base's and XLNet-base's
+fusions moved, by this count, 56.4, 27.0, 46.7 and 243.3 GB in 23.1, 11.4, 17.9 and 98.8 ms of
+kernels, 2.38-2.60 of the chip's 3.35 TB/s), so the bytes they move are the time they take, to
+first order: a compile-only build
 (`--lower gpu --topology h100`) shows what a change to the model does to them before a device
 session is spent on it. Each kernel of the optimized module (a fusion, a cuBLAS/cuDNN custom
 call, a copy) counts the bytes of its operands and its result, times the trip count of the
 while loops around it (a scanned layer stack's body runs once per layer). Reads of a fused
-parameter only through a dynamic-slice count the slice, through a gather the gathered elements
-(also behind a convert or bitcast); a dynamic-update-slice writes its update into a buffer it
+parameter only through a slice or dynamic-slice count the slice, through a gather the gathered
+elements (also behind a convert or bitcast: XLA merges matmuls that share an operand, e.g. T5's 12
+cross-attention key and value projections of the encoder output, and slices each result out); a dynamic-update-slice writes its update into a buffer it
 does not read (in place). What the
 count cannot see: caches (a kernel's re-read of what it just wrote), kernels' efficiency, and
 which matmul kernel autotuning picks on the device (compile-only builds skip autotuning).
@@ -102,13 +104,14 @@ _PASS_THROUGH = ("bitcast", "convert", "reshape", "copy")  # elementwise: a slic
 
 def _sliced_read(body: dict[str, Instruction], name: str) -> int | None:
   """Bytes read of value `name` if every use of it ends (through bitcasts and converts) as the
-  sliced operand of a dynamic-slice or gather: their results' bytes; None if any use reads it whole."""
+  sliced operand of a slice, dynamic-slice or gather: their results' bytes; None if any use reads
+  it whole."""
   users = [u for u in body.items() if name in u[1].operands]
   if not users:
     return None
   total = 0
   for user_name, user in users:
-    if user.op in ("dynamic-slice", "gather") and user.operands[0] == name:
+    if user.op in ("slice", "dynamic-slice", "gather") and user.operands[0] == name:
       total += shape_bytes(user.shape)
     elif user.op in _PASS_THROUGH:
       inner = _sliced_read(body, user_name)
