@@ -46,7 +46,7 @@ def test_session_runs_every_step_and_writes_its_results(tmp_path):
   assert proc.returncode == 0, proc.stderr[-2000:]
   summary = (out / "summary.txt").read_text().splitlines()
   assert [line.split()[0] for line in summary] == ["env", "attention", "suite", "t5_128", "scanned", "kernels",
-                                                          "loss_chunk", "profile", "baseline"]
+                                                          "loss_chunk", "profile", "bias", "baseline"]
   assert all(line.split()[1] == "rc=0" for line in summary), summary
   assert proc.stdout.rstrip().endswith(summary[-1])  # the summary is printed last
   env_log = (out / "env.log").read_text()
@@ -58,6 +58,10 @@ def test_session_runs_every_step_and_writes_its_results(tmp_path):
   assert [m["name"] for m in suite["models"]] == ["gpt2_small", "bert_base", "t5_base", "xlnet_base"]
   assert all(m["batch_size"] == 2 for m in suite["models"]) and sorted(suite["compile_layers"]) == ["2", "8"]
   assert all(m["profile"]["busy_ms_per_step"] > 0 for m in suite["models"])  # traced after the timed steps
+  for case, variants in (("t5", ["mask", "lengths", "no mask"]), ("gpt2", ["mask", "mask, no dbias", "causal only"])):
+    bias = json.loads((out / f"bias_{case}.json").read_text())
+    assert [r["variant"] for r in bias["rows"]] == variants and all(r["ms"] > 0 and r["finite"] for r in bias["rows"])
+    assert all(v <= 1e-6 for v in bias["agreement"].values())  # the XLA path: the same function
   baseline = json.loads((out / "baseline.json").read_text())
   assert [m["name"] for m in baseline["models"]] == [m["name"] for m in suite["models"]]
   assert baseline["compile_layers"] == {}

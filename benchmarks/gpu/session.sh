@@ -21,6 +21,10 @@
 #                cuDNN, the default on a GPU: same batch, same machine)
 #   loss_chunk   GPT-2-small with the output projection fused into the loss (256 tokens  100 s
 #                a chunk; the suite's row is without)
+#   bias         cuDNN attention at T5's encoder shape with its bias and the padding as a  90 s
+#                mask (today), as sequence lengths, and unmasked; at GPT-2's, the packed
+#                causal mask with and without its bias gradient, and causal only: times and
+#                agreement (benchmarks/gpu/cudnn_bias.py, OUT/bias_t5.json, OUT/bias_gpt2.json)
 #   baseline     the suite's four rows (no depth) run by an older tree of the project, the 240 s
 #                folder in TFX_GPU_BASELINE (`git archive REV tfx configs | tar -x -C DIR`):
 #                its program against this one's on the same machine
@@ -33,7 +37,7 @@
 # first six steps took 336 s together and the profile 130 s; on an H100 (the same day, unrolled)
 # env 4 s, suite 342 s (the four models' compiles 13-43 s), baseline 135 s. A session's 15 minutes
 # of device time hold about two such calls (a machine's start counts too): `env suite baseline`,
-# then `t5_128 scanned kernels loss_chunk`. The limits are each step's worst case.
+# then `t5_128 bias scanned kernels loss_chunk`. The limits are each step's worst case.
 # Each step writes OUT/<step>.log and OUT/<step>.json; the last lines printed are
 # OUT/summary.txt, each step's exit status and seconds (124: over its limit).
 # TFX_GPU_ARCHIVE=FILE: after each step, OUT (less the traces) is also packed into FILE (.tgz), so that
@@ -45,7 +49,7 @@ set -u
 out=$1
 shift
 steps=("$@")
-all_steps=(env attention suite t5_128 scanned kernels loss_chunk profile baseline)
+all_steps=(env attention suite t5_128 scanned kernels loss_chunk profile bias baseline)
 [ ${#steps[@]} -gt 0 ] || steps=("${all_steps[@]}")
 for step in "${steps[@]}"; do
   [[ " ${all_steps[*]} " == *" $step "* ]] || { echo "unknown step $step (${all_steps[*]})" >&2; exit 2; }
@@ -76,7 +80,9 @@ export PYTHONPATH="$PWD:$deps${outer_path:+:$outer_path}"
 size=(--batch 32)
 t5=(--batch 128)
 check=()
+bias=()
 if [ -n "${TFX_GPU_TINY:-}" ]; then
+  bias=(--implementation xla --batch 4 --length 64 --heads 2 --head-dim 16 --steps 2)
   size=(--tiny --batch 2 --steps 2 --warmup 1)
   t5=(--batch 4)
   check=(--length 32)
@@ -117,6 +123,8 @@ print(\"ml_collections from\", ml_collections.__file__)'
                --json "$out/profile.json" ;;
     loss_chunk) run loss_chunk 100 "${bench[@]}" --only gpt2_small --skip-depth --sweep model.loss_chunk=256 \
                   --json "$out/loss_chunk.json" ;;
+    bias) run bias 90 bash -c 'for case in t5 gpt2; do "$0" benchmarks/gpu/cudnn_bias.py --case $case "${@:2}" \
+                --json "$1/bias_$case.json" || exit; done' "$py" "$out" "${bias[@]}" ;;
     baseline) run baseline 240 env PYTHONPATH="$base:$deps${outer_path:+:$outer_path}" \
                 bash -c 'cd "$0" && exec "$@"' "$base" \
                 "${bench[@]}" --skip-depth --json "$out/baseline.json" ;;
