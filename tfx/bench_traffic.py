@@ -13,11 +13,11 @@ first order: a compile-only build
 session is spent on it. Each kernel of the optimized module (a fusion, a cuBLAS/cuDNN custom
 call, a copy) counts the bytes of its operands and its result, times the trip count of the
 while loops around it (a scanned layer stack's body runs once per layer). Reads of a fused
-parameter only through a slice or dynamic-slice count the slice, through a gather the gathered
-elements (also behind a convert or bitcast: XLA merges matmuls that share an operand, e.g. T5's 12
-cross-attention key and value projections of the encoder output, and slices each result out); a dynamic-update-slice writes its update into a buffer it
-does not read (in place). What the
-count cannot see: caches (a kernel's re-read of what it just wrote), kernels' efficiency, and
+parameter only through a slice or dynamic-slice count the slice (XLA merges matmuls that share an
+operand, e.g. T5's 12 layers' cross-attention key and value projections of the encoder output, and
+slices each layer's result out), through a gather the gathered elements (also behind a convert or
+bitcast); a dynamic-update-slice writes its update into a buffer it does not read (in place).
+What the count cannot see: caches (a kernel's re-read of what it just wrote), kernels' efficiency, and
 which matmul kernel autotuning picks on the device (compile-only builds skip autotuning).
 """
 

@@ -13,8 +13,9 @@
 #                32 rows per device (layers unrolled), each then traced for three more steps
 #                (OUT/suite_traces/<model>, summed by kind in suite.json), then GPT-2's compile
 #                time at 12 and 48 scanned layers
-#   t5_128       T5-base at the issue's 128 x 512 (its 0.25 s goal), layers scanned, then 300 s
-#                unrolled (which did not finish in 120 s on an H100: compile-only here, 33 s)
+#   t5_128       T5-base at the issue's 128 x 512 (its 0.25 s goal), layers scanned        120 s
+#   t5_128u      the same unrolled (the suite's layout), which did not finish in 120 s on  300 s
+#                an H100 (compile-only here: 33 s); the log shows how far it got
 #   scanned      GPT-2, BERT and T5 with their layers scanned (model.scan_unroll=1, the    240 s
 #                configs' default and the suite's until 2026-11-27), against the suite's rows
 #   kernels      GPT-2-small with model.attention=pallas, then xla (the suite's row is   150 s
@@ -37,7 +38,7 @@
 # first six steps took 336 s together and the profile 130 s; on an H100 (the same day, unrolled)
 # env 4 s, suite 342 s (the four models' compiles 13-43 s), baseline 135 s. A session's 15 minutes
 # of device time hold about two such calls (a machine's start counts too): `env suite baseline`,
-# then `t5_128 bias scanned kernels loss_chunk`. The limits are each step's worst case.
+# then `t5_128 bias scanned kernels loss_chunk` (t5_128u alone, if time is left). The limits are each step's worst case.
 # Each step writes OUT/<step>.log and OUT/<step>.json; the last lines printed are
 # OUT/summary.txt, each step's exit status and seconds (124: over its limit).
 # TFX_GPU_ARCHIVE=FILE: after each step, OUT (less the traces) is also packed into FILE (.tgz), so that
@@ -49,7 +50,7 @@ set -u
 out=$1
 shift
 steps=("$@")
-all_steps=(env attention suite t5_128 scanned kernels loss_chunk profile bias baseline)
+all_steps=(env attention suite t5_128 t5_128u scanned kernels loss_chunk profile bias baseline)
 [ ${#steps[@]} -gt 0 ] || steps=("${all_steps[@]}")
 for step in "${steps[@]}"; do
   [[ " ${all_steps[*]} " == *" $step "* ]] || { echo "unknown step $step (${all_steps[*]})" >&2; exit 2; }
@@ -113,8 +114,10 @@ print(\"ml_collections from\", ml_collections.__file__)'
     attention) run attention 120 "$py" -m tfx.check_attention --implementations auto,cudnn,pallas,xla "${check[@]}" \
                  --json "$out/attention.json" ;;
     suite) run suite 420 "${bench[@]}" --profile "$out/suite_traces" --json "$out/suite.json" ;;
-    t5_128) run t5_128 300 "${bench[@]}" --only t5_base --skip-depth "${t5[@]}" --sweep model.scan_unroll=1,0 \
+    t5_128) run t5_128 120 "${bench[@]}" --only t5_base --skip-depth "${t5[@]}" --config.model.scan_unroll=1 \
               --json "$out/t5_128.json" ;;
+    t5_128u) run t5_128u 300 env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=gpu_compiler=1 \
+               "${bench[@]}" --only t5_base --skip-depth "${t5[@]}" --json "$out/t5_128u.json" ;;
     scanned) run scanned 240 "${bench[@]}" --only gpt2_small,bert_base,t5_base --skip-depth \
                --sweep model.scan_unroll=1 --json "$out/scanned.json" ;;
     kernels) run kernels 150 "${bench[@]}" --only gpt2_small --skip-depth --sweep model.attention=pallas,xla \
