@@ -91,7 +91,7 @@ def attention_loss(variant: str, implementation: str | None):
     t = q.shape[1]
     pos = jnp.arange(t)
     kwargs, real = {}, jnp.ones(q.shape[:2], bool)  # [b, t]
-    if variant in ("mask", "lengths", "no mask") and bias is not None:  # T5: padding after `lengths`
+    if bias is not None:  # T5 (the only case with a bias): padding after `lengths`
       real = pos[None, :] < lengths[:, None]
       if variant == "mask":
         kwargs["mask"] = (real[:, None, :, None] & real[:, None, None, :]) | ~real[:, None, :, None]  # rows kept
