@@ -19,12 +19,18 @@ def cases():
 
 
 def test_cases_cover_the_masks_of_every_family(cases):
-  """Causal / bidirectional packed rows as segment ids, grouped-query heads, and the dense masks
-  (prefix LM, both XLNet streams, cross attention); the query stream has rows with no key."""
+  """Causal / bidirectional packed rows as segment ids, grouped-query heads, the dense masks
+  (prefix LM, both XLNet streams, cross attention), T5's bias beside a packed mask and beside rows'
+  lengths; the query stream has rows with no key."""
   names = [c.name for c in cases]
   assert names == ["causal_packed", "causal_padded", "bidirectional_padded", "grouped_query_causal", "prefix_lm",
-                   "two_stream_content", "two_stream_query", "cross"]
+                   "two_stream_content", "two_stream_query", "cross", "biased_packed", "biased_lengths",
+                   "biased_causal_lengths", "cross_lengths"]
   by_name = {c.name: c for c in cases}
+  assert [c.name for c in cases if c.bias is not None] == ["biased_packed", "biased_lengths", "biased_causal_lengths"]
+  lengths = by_name["biased_causal_lengths"].mask
+  assert isinstance(lengths, attn.LengthMask) and lengths.causal and lengths.q_lengths.tolist() == [24, 2]
+  assert by_name["cross_lengths"].mask.shape == (32, 16)
   assert isinstance(by_name["causal_padded"].mask, attn.SegmentMask) and by_name["causal_padded"].mask.causal
   assert by_name["grouped_query_causal"].k.shape[2] == 2 and by_name["cross"].k.shape[1] == 16
   query, content = by_name["two_stream_query"].mask, by_name["two_stream_content"].mask
@@ -39,7 +45,8 @@ def test_every_kernel_matches_the_reference(cases, monkeypatch):
   monkeypatch.setattr(attn, "_on_gpu", lambda: True)
   results = check_attention.run_checks(cases, ("pallas", "cudnn"))  # 'xla' is what cuDNN falls back to here
   assert all(r["ok"] for r in results), check_attention.format_results(results)
-  assert max(max(r[k] for k in ("out", "dq", "dk", "dv")) for r in results) < 1e-4
+  assert max(max(r[k] for k in check_attention.OUTPUTS if k in r) for r in results) < 1e-4
+  assert all(("dbias" in r) == (r["case"].startswith("biased")) for r in results)
   ran = {(r["case"], r["implementation"]): r["kernel"] for r in results}
   assert ran["causal_padded", "pallas"] == "pallas (GPU, segment ids)"
   assert ran["prefix_lm", "pallas"].startswith("xla (Pallas flash attention refused")
@@ -70,7 +77,8 @@ def test_a_wrong_kernel_fails_the_check(cases, monkeypatch, capsys, tmp_path):
   assert f"x {jax.devices()[0].device_kind}, float32" in out and "a row with no key is not zero" in out
   written = json.loads(path.read_text())
   assert [r["case"] for r in written] == [c.name for c in cases]
-  assert [r["ok"] for r in written].count(False) >= 1 and not written[-2]["empty_rows_zero"]
+  by_case = {r["case"]: r for r in written}
+  assert [r["ok"] for r in written].count(False) >= 1 and not by_case["two_stream_query"]["empty_rows_zero"]
 
 
 def test_cli_refuses_bad_arguments():

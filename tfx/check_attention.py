@@ -7,9 +7,10 @@ The unit tests check the kernels on the CPU (XLA's attention, and the Pallas ker
 interpreter); this is the same check for the device that trains: run it once on a GPU or TPU
 host before trusting a fused kernel there. For each mask a family builds (causal and
 bidirectional packed rows with padding, grouped-query heads, prefix LM, XLNet's two streams,
-cross attention) and each `model.attention` value, it runs `tfx.ops.dot_product_attention` as a
+cross attention, T5's relative bias beside a packed mask or beside rows given by their lengths,
+`ops.LengthMask`) and each `model.attention` value, it runs `tfx.ops.dot_product_attention` as a
 model does (so a kernel that cannot take a mask falls back exactly as in training) and compares
-the output and the q, k, v gradients with `reference_attention` computed in float32 at the
+the output and the q, k, v (and bias) gradients with `reference_attention` computed in float32 at the
 highest matmul precision from the same rounded inputs. It prints which kernel actually ran
 (`attention: ...` reasons included) and the largest error relative to the largest reference
 value, and fails (exit status 1) where one is over the dtype's tolerance. Query rows with no
@@ -32,6 +33,7 @@ from tfx import ops
 # default precision); bf16 and fp16 keep 8 and 11 bits of mantissa in q, k, v and the output.
 TOLERANCE = {"float32": 2e-3, "bfloat16": 3e-2, "float16": 5e-3}
 IMPLEMENTATIONS = ("auto", "cudnn", "pallas", "splash", "xla")
+OUTPUTS = ("out", "dq", "dk", "dv", "dbias")  # dbias where the case has a bias
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +44,9 @@ class Case:
   q: jax.Array
   k: jax.Array
   v: jax.Array
-  mask: Any  # ops.SegmentMask or [b, 1, t, s] bool
+  mask: Any  # ops.SegmentMask, ops.LengthMask or [b, 1, t, s] bool
   cotangent: jax.Array  # [b, t, h, d] float32
+  bias: jax.Array | None = None  # [1, h, t, s] float32 (T5's relative position bias)
 
 
 def _packed(rng: np.random.Generator, b: int, t: int, *, documents: int, padding: int) -> tuple[jax.Array, jax.Array]:
@@ -65,10 +68,11 @@ def make_cases(*, length: int = 128, heads: int = 4, head_dim: int = 64, batch: 
   rng = np.random.default_rng(seed)
   b, t, h, d = batch, length, heads, head_dim
 
-  def case(name: str, mask, kv_heads: int = h, keys: int = t) -> Case:
+  def case(name: str, mask, kv_heads: int = h, keys: int = t, bias: bool = False) -> Case:
     q = jnp.asarray(rng.normal(size=(b, t, h, d)), dtype)
     k, v = (jnp.asarray(rng.normal(size=(b, keys, kv_heads, d)), dtype) for _ in range(2))
-    return Case(name, q, k, v, mask, jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32))
+    bias = jnp.asarray(rng.normal(size=(1, h, t, keys)), jnp.float32) if bias else None
+    return Case(name, q, k, v, mask, jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32), bias)
 
   packed, _ = _packed(rng, b, t, documents=3, padding=0)
   padded, positions = _packed(rng, b, t, documents=2, padding=t // 4)
@@ -77,6 +81,10 @@ def make_cases(*, length: int = 128, heads: int = 4, head_dim: int = 64, batch: 
   rank = jnp.asarray(np.stack([rng.permutation(t) for _ in range(b)]))
   same = ops.segment_mask(padded)
   source, _ = _packed(rng, b, t // 2, documents=2, padding=t // 16)
+  # Rows of one segment each (span corruption's): a quarter padding, and a row of two tokens.
+  one = lambda n, lengths: jnp.asarray((np.arange(n)[None, :] < np.asarray(lengths)[:, None]).astype(np.int32))
+  queries = one(t, [t - t // 4] + [2] * (b - 1))
+  keys = one(t // 2, [t // 2 - t // 8] + [3] * (b - 1))
   return [
       case("causal_packed", ops.SegmentMask(packed, causal=True)),
       case("causal_padded", ops.SegmentMask(padded, causal=True)),
@@ -87,6 +95,12 @@ def make_cases(*, length: int = 128, heads: int = 4, head_dim: int = 64, batch: 
       case("two_stream_query", same & (rank[:, None, None, :] < rank[:, None, :, None])),
       # the decoder's documents over the encoder's
       case("cross", ops.segment_mask(jnp.minimum(padded, 2), source), keys=t // 2),
+      # T5: the relative bias [1, h, t, s] beside packed rows' mask (cuDNN gets the two folded into one
+      # [b, h, t, s] bias) and beside rows' lengths (cuDNN's padding mask)
+      case("biased_packed", ops.segment_mask(padded), bias=True),
+      case("biased_lengths", ops.rows_mask(queries, lengths=True), bias=True),
+      case("biased_causal_lengths", ops.rows_mask(queries, causal=True, lengths=True), bias=True),
+      case("cross_lengths", ops.rows_mask(queries, keys, lengths=True), keys=t // 2),
   ]
 
 
@@ -96,11 +110,12 @@ def _attends(mask) -> jax.Array:
 
 
 def _value_and_grads(fn: Callable, case: Case):
-  """fn(q, k, v) and the gradients of sum(fn * cotangent) with respect to q, k, v (float32)."""
-  loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * case.cotangent)
-  out = fn(case.q, case.k, case.v)
-  grads = jax.grad(loss, argnums=(0, 1, 2))(case.q, case.k, case.v)
-  return [np.asarray(x, np.float32) for x in (out, *grads)]
+  """fn(q, k, v, bias) and the gradients of sum(fn * cotangent) with respect to q, k, v and the bias
+  if there is one (float32)."""
+  args = (case.q, case.k, case.v, case.bias)
+  loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * case.cotangent)
+  grads = jax.grad(loss, argnums=(0, 1, 2, 3) if case.bias is not None else (0, 1, 2))(*args)
+  return [np.asarray(x, np.float32) for x in (fn(*args), *grads)]
 
 
 def reference(case: Case) -> list[np.ndarray]:
@@ -109,8 +124,9 @@ def reference(case: Case) -> list[np.ndarray]:
   mask = ops.dense_mask(case.mask)
   attends = _attends(mask)[:, :, None, None]  # [b, t, 1, 1]
 
-  def fn(q, k, v):
-    out = ops.reference_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask=mask)
+  def fn(q, k, v, bias):
+    out = ops.reference_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask=mask,
+                                  bias=bias)
     return jnp.where(attends, out, 0.0)
 
   with jax.default_matmul_precision("highest"):
@@ -119,12 +135,13 @@ def reference(case: Case) -> list[np.ndarray]:
 
 def check_case(case: Case, implementation: str, want: list[np.ndarray]) -> dict[str, Any]:
   """Runs one kernel on one case; returns the kernel that ran and its relative errors."""
-  fn = jax.jit(lambda q, k, v: ops.dot_product_attention(q, k, v, mask=case.mask, implementation=implementation))
+  fn = jax.jit(lambda q, k, v, bias: ops.dot_product_attention(q, k, v, mask=case.mask, bias=bias,
+                                                                implementation=implementation))
   with ops.recorded_choices() as chosen:
     got = _value_and_grads(fn, case)
   errors = {name: float(np.max(np.abs(g - w)) / max(float(np.max(np.abs(w))), 1e-30))
-            for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
-  nonfinite = [name for name, g in zip(("out", "dq", "dk", "dv"), got) if not np.all(np.isfinite(g))]
+            for name, g, w in zip(OUTPUTS, got, want)}
+  nonfinite = [name for name, g in zip(OUTPUTS, got) if not np.all(np.isfinite(g))]
   empty_rows_zero = bool(not np.any(got[0][~np.asarray(_attends(case.mask))]))
   kernels = sorted({f"{impl} ({why})" for impl, why in chosen})
   dtype = jnp.dtype(case.q.dtype).name
@@ -142,9 +159,9 @@ def run_checks(cases: list[Case], implementations: tuple[str, ...] = IMPLEMENTAT
 
 
 def format_results(results: list[dict[str, Any]]) -> str:
-  rows = [("case", "model.attention", "ran", "out", "dq", "dk", "dv", "ok")]
+  rows = [("case", "model.attention", "ran", *OUTPUTS, "ok")]
   for r in results:
-    rows.append((r["case"], r["implementation"], r["kernel"], *(f"{r[k]:.1e}" for k in ("out", "dq", "dk", "dv")),
+    rows.append((r["case"], r["implementation"], r["kernel"], *(f"{r[k]:.1e}" if k in r else "-" for k in OUTPUTS),
                  "ok" if r["ok"] else "FAIL" + (f" (non-finite {', '.join(r['nonfinite'])})" if r["nonfinite"] else "")
                  + ("" if r["empty_rows_zero"] else " (a row with no key is not zero)")))
   widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

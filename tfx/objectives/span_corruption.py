@@ -225,14 +225,16 @@ def seq2seq_logits(model, params, x: dict[str, jax.Array], rng: jax.Array, *, tr
                    loss: ops.TokenTargets | None = None):
   """[b, t, v] logits of an encoder-decoder on `inputs` / `targets` with their segment ids (the
   `corrupt_with_mask` keys), teacher-forced: decoder input = targets shifted right, `start_id` first.
-  With `loss`, the token loss and its metrics instead (`Family.lm_head`)."""
+  With `loss`, the token loss and its metrics instead (`Family.lm_head`). The inputs and targets of
+  `corrupt_with_mask` (and UL2's) are one segment a row, real tokens first: the model builds its
+  masks from the rows' lengths (`one_segment`, which cuDNN reads as sequence lengths)."""
   input_positions = jnp.arange(x["inputs"].shape[1]) * x["input_segment_ids"]  # [b, s]
   target_positions = jnp.arange(x["targets"].shape[1]) * x["target_segment_ids"]  # [b, t]
   decoder_inputs = shift_right_by_segment(x["targets"], x["target_segment_ids"], start_id)  # [b, t]
   return model.apply(
       {"params": params}, x["inputs"], x["input_segment_ids"], input_positions,
       decoder_inputs, x["target_segment_ids"], target_positions,
-      train=train, rngs={"dropout": rng}, loss=loss)  # [b, t, v]
+      train=train, rngs={"dropout": rng}, loss=loss, one_segment=True)  # [b, t, v]
 
 
 @OBJECTIVES.register("span_corruption")

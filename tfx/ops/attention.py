@@ -1,22 +1,14 @@
-"""Attention as pure functions, and the masks that say who may attend to whom.
+"""Attention as pure functions: the reference, XLA's einsum attention with its own backward pass,
+and the one entry point that picks a fused kernel (cuDNN, Pallas, splash) or falls back to it.
 
 Dimension letters used in shapes and einsums throughout tfx:
   b batch, t query length, s key length, h query heads, k key/value heads, d head dim,
   e embed (d_model), f MLP hidden, v vocab, l layers.
 
-A mask is boolean, `True` = the query may attend to the key, shaped [b, 1|h, t, s]
-(the head axis broadcasts). `jax.nn.dot_product_attention` has no segment-id argument, so
-packing, padding, causality and prefix-LM are all expressed as such a mask. The one exception
-is `SegmentMask`: a packed row's self-attention given by its segment ids, which the Pallas flash
-kernel (`model.attention=pallas`, GPU) and splash attention (`model.attention=splash`, TPU) read
-without building the [b, 1, t, t] array (cuDNN gets the array and, for a causal one, its
-`is_causal` hint). A query row with no allowed key would silently softmax
-to the mean of V (a leak); `assert_rows_attend` and the `guard` of `dot_product_attention` make
-that an error or exact zeros.
+The masks (who may attend to whom) are in `tfx.ops.masks`, re-exported here.
 """
 
 import contextlib
-import dataclasses
 import functools
 import logging
 from typing import Literal
@@ -26,6 +18,21 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from tfx.ops import flash, splash, target
+from tfx.ops.masks import (  # noqa: F401  (re-exported: tfx.ops.attention has always had the masks)
+    SEGMENT_ID_KERNELS,
+    LengthMask,
+    SegmentMask,
+    assert_rows_attend,
+    causal_mask,
+    decoder_mask,
+    dense_mask,
+    padding_mask,
+    prefix_lm_mask,
+    rows_attend,
+    rows_mask,
+    segment_mask,
+    self_attention_mask,
+)
 
 Implementation = Literal["auto", "xla", "cudnn", "pallas", "splash", "reference"]
 # The kernels that read a packed row's segment ids (`SegmentMask`) instead of a dense mask:
@@ -34,113 +41,10 @@ SEGMENT_KERNELS = {
     "pallas": (flash.unsupported, flash.flash_attention, "Pallas flash attention"),
     "splash": (splash.unsupported, splash.splash_attention, splash.NAME),
 }
+assert tuple(SEGMENT_KERNELS) == SEGMENT_ID_KERNELS
 
 # Large finite negative for masked scores (not -inf, so fully masked rows do not give NaN).
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-# ----------------------------------------------------------------------------- masks
-
-
-def causal_mask(t: int, s: int | None = None, offset: int = 0) -> jax.Array:
-  """[1, 1, t, s]: query i may attend key j iff j <= i + offset."""
-  s = t if s is None else s
-  q = jnp.arange(t)[:, None] + offset
-  k = jnp.arange(s)[None, :]
-  return (k <= q)[None, None]
-
-
-def segment_mask(q_segment_ids: jax.Array, k_segment_ids: jax.Array | None = None) -> jax.Array:
-  """[b, 1, t, s]: same packed document and neither side is padding (segment 0)."""
-  k_segment_ids = q_segment_ids if k_segment_ids is None else k_segment_ids
-  q = q_segment_ids[:, None, :, None]  # [b, 1, t, 1]
-  k = k_segment_ids[:, None, None, :]  # [b, 1, 1, s]
-  return (q == k) & (q > 0) & (k > 0)
-
-
-def padding_mask(q_valid: jax.Array, k_valid: jax.Array | None = None) -> jax.Array:
-  """[b, 1, t, s]: both the query and the key are real tokens. Inputs are [b, t] / [b, s] bool."""
-  k_valid = q_valid if k_valid is None else k_valid
-  return q_valid[:, None, :, None] & k_valid[:, None, None, :]
-
-
-def prefix_lm_mask(segment_ids: jax.Array, positions: jax.Array, prefix_length: jax.Array) -> jax.Array:
-  """[b, 1, t, t]: causal within each document, except that the first `prefix_length` tokens
-  of each document see each other bidirectionally. `prefix_length` is [b, t] (per token: the
-  prefix length of its document) or broadcastable to it."""
-  prefix_length = jnp.broadcast_to(prefix_length, segment_ids.shape)
-  pos_q = positions[:, None, :, None]
-  pos_k = positions[:, None, None, :]
-  in_prefix_k = pos_k < prefix_length[:, None, None, :]
-  return segment_mask(segment_ids) & ((pos_k <= pos_q) | in_prefix_k)
-
-
-def decoder_mask(segment_ids: jax.Array) -> jax.Array:
-  """[b, 1, t, t]: causal, within the same packed document, never padding."""
-  t = segment_ids.shape[-1]
-  return causal_mask(t) & segment_mask(segment_ids)
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["segment_ids", "array"], meta_fields=["causal"])
-@dataclasses.dataclass(frozen=True)
-class SegmentMask:
-  """A packed row's self-attention mask given by its segment ids [b, t] instead of [b, 1, t, t].
-
-  Query i may attend key j when both are in the same segment, neither is padding (segment 0)
-  and, when `causal`, j <= i: `dense()` is `decoder_mask` (causal) or `segment_mask`. A kernel
-  that takes segment ids (`model.attention=pallas` or `splash`) never builds the array; every
-  other path attends with `dense()`, which is `array` when the array was built beforehand (once
-  per step, for all layers: `self_attention_mask`). cuDNN also reads `causal`, to skip the key
-  blocks above the diagonal. A pytree (the ids and the array are its leaves, `causal` is static),
-  so it passes through scan and remat as the dense mask does.
-  """
-
-  segment_ids: jax.Array  # [b, t] int
-  causal: bool = False
-  array: jax.Array | None = None  # [b, 1, t, t] bool, dense() built beforehand
-
-  def dense(self) -> jax.Array:
-    """[b, 1, t, t] bool."""
-    if self.array is not None:
-      return self.array
-    return decoder_mask(self.segment_ids) if self.causal else segment_mask(self.segment_ids)
-
-  def prebuilt(self) -> "SegmentMask":
-    """The same mask with its array built now, once for all the layers that read it."""
-    return dataclasses.replace(self, array=self.dense())
-
-
-def self_attention_mask(segment_ids: jax.Array, *, causal: bool, implementation: str) -> SegmentMask:
-  """The mask that every self-attention layer of a family shares: the ids alone for
-  `model.attention=pallas` or `splash` (their kernels read them), with the [b, 1, t, t] array
-  built once per step for every other kernel (each layer reads it)."""
-  mask = SegmentMask(segment_ids, causal)
-  return mask if implementation in SEGMENT_KERNELS else mask.prebuilt()
-
-
-def dense_mask(mask: "jax.Array | SegmentMask | None") -> jax.Array | None:
-  """[b, 1|h, t, s] bool, or None: a `SegmentMask` as its array, any other mask unchanged."""
-  return mask.dense() if isinstance(mask, SegmentMask) else mask
-
-
-def rows_attend(mask: jax.Array) -> jax.Array:
-  """[b, h|1, t]: whether each query row may attend at least one key."""
-  return jnp.any(mask, axis=-1)
-
-
-def assert_rows_attend(mask: jax.Array, query_valid: jax.Array | None = None) -> None:
-  """Raises if a (real) query row of a concrete mask has no allowed key.
-
-  Args:
-    mask: [b, h|1, t, s] bool, concrete (not traced).
-    query_valid: optional [b, t] bool; rows that are padding are exempt.
-  """
-  ok = rows_attend(mask)  # [b, h|1, t]
-  if query_valid is not None:
-    ok = ok | ~query_valid[:, None, :]
-  if not bool(jnp.all(ok)):
-    bad = jnp.argwhere(~ok)[:5].tolist()
-    raise ValueError(f"attention mask has query rows with no allowed key (b, h, t): {bad}")
 
 
 # ----------------------------------------------------------------------------- attention
@@ -384,12 +288,66 @@ def kernel_mask(mask: jax.Array | None) -> jax.Array | None:
   return mask | ~rows_attend(mask)[..., None]
 
 
+def _dense(mask, t: int, s: int) -> jax.Array | None:
+  """Any mask as [b|1, h|1, t, s] bool (the query and key axes broadcast to t and s), or None."""
+  mask = dense_mask(mask)
+  return None if mask is None else jnp.broadcast_to(mask, mask.shape[:2] + (t, s))
+
+
+@jax.custom_vjp
+def _real_only_gradient(x: jax.Array, valid: jax.Array) -> jax.Array:
+  """x [b, t, ...] unchanged; its cotangent zeroed where `valid` [b, t] is False."""
+  return x
+
+
+def _real_only_gradient_fwd(x, valid):
+  return x, valid
+
+
+def _real_only_gradient_bwd(valid, g):
+  valid = valid.reshape(valid.shape + (1,) * (g.ndim - valid.ndim))
+  return jnp.where(valid, g, jnp.zeros((), g.dtype)), None
+
+
+_real_only_gradient.defvjp(_real_only_gradient_fwd, _real_only_gradient_bwd)
+
+
+def _cudnn_attention(q, k, v, mask, bias, scale: float, causal: bool) -> tuple[jax.Array | None, str | None]:
+  """(cuDNN's fused attention, None), or (None, why cuDNN refused). A `LengthMask` goes to cuDNN
+  as sequence lengths (its padding mask: a bias beside it is not widened to [b, h, t, s]); any
+  other mask as the [b, 1|h, t, s] array, which JAX folds into a bias (`kernel_mask`)."""
+  t, s = q.shape[1], k.shape[1]
+  if (mask is not None or bias is not None) and (t % 2 or s % 2):
+    # JAX's cuDNN wrapper checks this only when it builds the backward pass, after it has
+    # accepted the forward call: were it not refused here, the train step would not trace.
+    return None, f"its backward pass needs even lengths with a mask or bias, got {t} x {s}"
+  kwargs = {}
+  if isinstance(mask, LengthMask):
+    # At least one of each: a row without real tokens attends its first key instead of nothing
+    # (its queries are zeroed by the guard). cuDNN leaves the gradients of the padding positions
+    # to its own devices: they are zeroed, so that nothing but the real tokens reaches a weight.
+    q_valid, k_valid = mask.valid()  # [b, t], [b, s]
+    q = _real_only_gradient(q, q_valid)
+    k, v = _real_only_gradient(k, k_valid), _real_only_gradient(v, k_valid)
+    kwargs = {"query_seq_lengths": jnp.maximum(mask.q_lengths, 1).astype(jnp.int32),
+              "key_value_seq_lengths": jnp.maximum(mask.k_lengths, 1).astype(jnp.int32)}
+  elif mask is not None:
+    kwargs["mask"] = kernel_mask(_dense(mask, t, s))
+  try:
+    # A mask stays exact for every row with a key; `is_causal` lets cuDNN skip the key blocks
+    # above the diagonal (with lengths, it is the causal half of cuDNN's PADDING_CAUSAL mask).
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=scale, is_causal=causal and t == s,
+                                        implementation="cudnn", **kwargs), None
+  except Exception as e:  # noqa: BLE001  (cuDNN refuses a shape / layout / version at trace time)
+    return None, str(e).splitlines()[0][:120]
+
+
 def dot_product_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     *,
-    mask: jax.Array | None = None,
+    mask: "jax.Array | SegmentMask | LengthMask | None" = None,
     bias: jax.Array | None = None,
     scale: float | None = None,
     implementation: Implementation = "auto",
@@ -401,7 +359,9 @@ def dot_product_attention(
     q: [b, t, h, d]; k, v: [b, s, k, d].
     mask: bool [b|1, h|1, t, s], True = may attend, or a `SegmentMask` (a packed row's
       self-attention: the 'pallas' and 'splash' kernels read its ids, every other path its
-      `dense()` array; 'cudnn' also skips the blocks above the diagonal of a causal one).
+      `dense()` array; 'cudnn' also skips the blocks above the diagonal of a causal one), or a
+      `LengthMask` (rows of one segment each: 'cudnn' reads the lengths, every other path its
+      `dense()` array).
     bias: float [b|1, h|1, t, s] added to the scores (relative positions, ...).
     scale: score scale, default 1/sqrt(d).
     implementation: 'auto' | 'xla' | 'cudnn' | 'pallas' | 'splash' | 'reference' (see
@@ -423,34 +383,24 @@ def dot_product_attention(
       scale = q.shape[-1] ** -0.5 if scale is None else scale
       return kernel(q, k, v, mask.segment_ids, causal=mask.causal, scale=scale)
     impl, why = "xla", f"{name} refused: {refused}"
-  causal = isinstance(mask, SegmentMask) and mask.causal
-  mask = dense_mask(mask)
-  if impl == "reference":
-    out = reference_attention(q, k, v, mask=mask, bias=bias, scale=scale)
-  else:
-    b, t, h, _ = q.shape
-    s = k.shape[1]
-    if mask is not None:
-      mask = jnp.broadcast_to(mask, (mask.shape[0], mask.shape[1], t, s))
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    out = None
-    if impl == "cudnn" and (mask is not None or bias is not None) and (t % 2 or s % 2):
-      # JAX's cuDNN wrapper checks this only when it builds the backward pass, after it has
-      # accepted the forward call below: were it not refused here, the train step would not trace.
-      impl, why = "xla", f"cuDNN refused: its backward pass needs even lengths with a mask or bias, got {t} x {s}"
-    if impl == "cudnn":
-      try:
-        # The mask stays exact for every row with a key; `is_causal` only lets cuDNN skip the key
-        # blocks above the diagonal.
-        out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=kernel_mask(mask), scale=scale,
-                                           is_causal=causal and t == s, implementation="cudnn")
-      except Exception as e:  # noqa: BLE001  (cuDNN refuses a shape / layout / version at trace time)
-        impl, why = "xla", f"cuDNN refused: {str(e).splitlines()[0][:120]}"
-    if out is None:
-      out = softmax_attention(q, k, v, mask, bias, float(scale))
+  causal = isinstance(mask, (SegmentMask, LengthMask)) and mask.causal
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  out = None
+  if impl == "cudnn":
+    out, refused = _cudnn_attention(q, k, v, mask, bias, float(scale), causal)
+    if refused is not None:
+      impl, why = "xla", f"cuDNN refused: {refused}"
   log_choice(impl, why)
-  if guard and mask is not None and impl != "xla":  # softmax_attention zeroes such rows itself
-    ok = rows_attend(mask)  # [b|1, h|1, t]
-    ok = jnp.moveaxis(ok, 1, 2)[..., None]  # [b|1, t, h|1, 1]
+  dense = lambda: _dense(mask, q.shape[1], k.shape[1])  # [b|1, h|1, t, s] bool or None
+  if out is None:
+    if impl == "reference":
+      out = reference_attention(q, k, v, mask=dense(), bias=bias, scale=scale)
+    else:  # XLA's attention zeroes the rows without a key itself
+      return softmax_attention(q, k, v, dense(), bias, float(scale))
+  if guard and mask is not None:
+    if isinstance(mask, LengthMask):
+      ok = mask.attending_rows()[:, :, None, None]  # [b, t, 1, 1]
+    else:
+      ok = jnp.moveaxis(rows_attend(dense()), 1, 2)[..., None]  # [b|1, t, h|1, 1]
     out = jnp.where(ok, out, jnp.zeros((), out.dtype))
   return out

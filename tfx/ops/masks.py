@@ -1,0 +1,188 @@
+"""Attention masks: who may attend to whom.
+
+A mask is boolean, `True` = the query may attend to the key, shaped [b, 1|h, t, s]
+(the head axis broadcasts). `jax.nn.dot_product_attention` has no segment-id argument, so
+packing, padding, causality and prefix-LM are all expressed as such a mask. Two masks are kept in
+a form a kernel reads instead of the array:
+
+- `SegmentMask`: a packed row's self-attention given by its segment ids, which the Pallas flash
+  kernel (`model.attention=pallas`, GPU) and splash attention (`model.attention=splash`, TPU)
+  read without building the [b, 1, t, t] array (cuDNN gets the array and, for a causal one, its
+  `is_causal` hint).
+- `LengthMask`: rows of one segment each, real tokens first (span corruption's and UL2's inputs
+  and targets): each row's query and key counts, which cuDNN takes as sequence lengths (its
+  padding mask), so that the mask is never folded into a [b, h, t, s] bias.
+
+A query row with no allowed key would silently softmax to the mean of V (a leak);
+`assert_rows_attend` and the guard of `tfx.ops.dot_product_attention` make that an error or exact
+zeros.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+# The kernels that read a `SegmentMask`'s ids themselves (tfx.ops.attention.SEGMENT_KERNELS).
+SEGMENT_ID_KERNELS = ("pallas", "splash")
+
+
+def causal_mask(t: int, s: int | None = None, offset: int = 0) -> jax.Array:
+  """[1, 1, t, s]: query i may attend key j iff j <= i + offset."""
+  s = t if s is None else s
+  q = jnp.arange(t)[:, None] + offset
+  k = jnp.arange(s)[None, :]
+  return (k <= q)[None, None]
+
+
+def segment_mask(q_segment_ids: jax.Array, k_segment_ids: jax.Array | None = None) -> jax.Array:
+  """[b, 1, t, s]: same packed document and neither side is padding (segment 0)."""
+  k_segment_ids = q_segment_ids if k_segment_ids is None else k_segment_ids
+  q = q_segment_ids[:, None, :, None]  # [b, 1, t, 1]
+  k = k_segment_ids[:, None, None, :]  # [b, 1, 1, s]
+  return (q == k) & (q > 0) & (k > 0)
+
+
+def padding_mask(q_valid: jax.Array, k_valid: jax.Array | None = None) -> jax.Array:
+  """[b, 1, t, s]: both the query and the key are real tokens. Inputs are [b, t] / [b, s] bool."""
+  k_valid = q_valid if k_valid is None else k_valid
+  return q_valid[:, None, :, None] & k_valid[:, None, None, :]
+
+
+def prefix_lm_mask(segment_ids: jax.Array, positions: jax.Array, prefix_length: jax.Array) -> jax.Array:
+  """[b, 1, t, t]: causal within each document, except that the first `prefix_length` tokens
+  of each document see each other bidirectionally. `prefix_length` is [b, t] (per token: the
+  prefix length of its document) or broadcastable to it."""
+  prefix_length = jnp.broadcast_to(prefix_length, segment_ids.shape)
+  pos_q = positions[:, None, :, None]
+  pos_k = positions[:, None, None, :]
+  in_prefix_k = pos_k < prefix_length[:, None, None, :]
+  return segment_mask(segment_ids) & ((pos_k <= pos_q) | in_prefix_k)
+
+
+def decoder_mask(segment_ids: jax.Array) -> jax.Array:
+  """[b, 1, t, t]: causal, within the same packed document, never padding."""
+  t = segment_ids.shape[-1]
+  return causal_mask(t) & segment_mask(segment_ids)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["segment_ids", "array"], meta_fields=["causal"])
+@dataclasses.dataclass(frozen=True)
+class SegmentMask:
+  """A packed row's self-attention mask given by its segment ids [b, t] instead of [b, 1, t, t].
+
+  Query i may attend key j when both are in the same segment, neither is padding (segment 0)
+  and, when `causal`, j <= i: `dense()` is `decoder_mask` (causal) or `segment_mask`. A kernel
+  that takes segment ids (`model.attention=pallas` or `splash`) never builds the array; every
+  other path attends with `dense()`, which is `array` when the array was built beforehand (once
+  per step, for all layers: `self_attention_mask`). cuDNN also reads `causal`, to skip the key
+  blocks above the diagonal. A pytree (the ids and the array are its leaves, `causal` is static),
+  so it passes through scan and remat as the dense mask does.
+  """
+
+  segment_ids: jax.Array  # [b, t] int
+  causal: bool = False
+  array: jax.Array | None = None  # [b, 1, t, t] bool, dense() built beforehand
+
+  def dense(self) -> jax.Array:
+    """[b, 1, t, t] bool."""
+    if self.array is not None:
+      return self.array
+    return decoder_mask(self.segment_ids) if self.causal else segment_mask(self.segment_ids)
+
+  def prebuilt(self) -> "SegmentMask":
+    """The same mask with its array built now, once for all the layers that read it."""
+    return dataclasses.replace(self, array=self.dense())
+
+
+def self_attention_mask(segment_ids: jax.Array, *, causal: bool, implementation: str) -> SegmentMask:
+  """The mask that every self-attention layer of a family shares: the ids alone for
+  `model.attention=pallas` or `splash` (their kernels read them), with the [b, 1, t, t] array
+  built once per step for every other kernel (each layer reads it)."""
+  mask = SegmentMask(segment_ids, causal)
+  return mask if implementation in SEGMENT_ID_KERNELS else mask.prebuilt()
+
+
+
+
+def rows_attend(mask: jax.Array) -> jax.Array:
+  """[b, h|1, t]: whether each query row may attend at least one key."""
+  return jnp.any(mask, axis=-1)
+
+
+def assert_rows_attend(mask: jax.Array, query_valid: jax.Array | None = None) -> None:
+  """Raises if a (real) query row of a concrete mask has no allowed key.
+
+  Args:
+    mask: [b, h|1, t, s] bool, concrete (not traced).
+    query_valid: optional [b, t] bool; rows that are padding are exempt.
+  """
+  ok = rows_attend(mask)  # [b, h|1, t]
+  if query_valid is not None:
+    ok = ok | ~query_valid[:, None, :]
+  if not bool(jnp.all(ok)):
+    bad = jnp.argwhere(~ok)[:5].tolist()
+    raise ValueError(f"attention mask has query rows with no allowed key (b, h, t): {bad}")
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["q_lengths", "k_lengths"],
+                   meta_fields=["shape", "causal"])
+@dataclasses.dataclass(frozen=True)
+class LengthMask:
+  """Rows of one segment each, real tokens first: query i of row r may attend key j when
+  i < q_lengths[r], j < k_lengths[r] and, when `causal`, j <= i.
+
+  For a row whose segment ids are 1 on its first n tokens and 0 after (span corruption's and UL2's
+  inputs and targets) this is exactly `segment_mask` / `decoder_mask` of those ids; for a packed
+  row (several documents) it is not. cuDNN takes the lengths as its padding mask
+  (`query_seq_lengths`, `key_value_seq_lengths`), so that a bias beside it stays [1|b, h, t, s]
+  instead of the mask being folded into a [b, h, t, s] one; a kernel that cannot (a cuDNN refusal,
+  attention dropout) attends with `dense()`. A pytree (the lengths are its leaves, the shape and
+  `causal` static), so it passes through scan and remat as a dense mask does.
+  """
+
+  q_lengths: jax.Array  # [b] int32
+  k_lengths: jax.Array  # [b] int32
+  shape: tuple[int, int]  # (t, s): query and key length
+  causal: bool = False
+
+  def valid(self) -> tuple[jax.Array, jax.Array]:
+    """[b, t], [b, s] bool: the real queries and keys."""
+    t, s = self.shape
+    return (jnp.arange(t)[None, :] < self.q_lengths[:, None], jnp.arange(s)[None, :] < self.k_lengths[:, None])
+
+  def dense(self) -> jax.Array:
+    """[b, 1, t, s] bool."""
+    mask = padding_mask(*self.valid())  # [b, 1, t, s]
+    return mask & causal_mask(*self.shape) if self.causal else mask
+
+  def attending_rows(self) -> jax.Array:
+    """[b, t] bool: the query rows with at least one allowed key (a real query of a row that has
+    a real key; causal: key 0 is at or before every query)."""
+    return self.valid()[0] & (self.k_lengths[:, None] > 0)
+
+
+def rows_mask(q_segment_ids: jax.Array, k_segment_ids: jax.Array | None = None, *, causal: bool = False,
+              lengths: bool = False) -> "LengthMask | SegmentMask | jax.Array":
+  """The mask of rows given by their segment ids [b, t] (queries) and [b, s] (keys; None:
+  self-attention): the same document, neither side padding, and (`causal`) key at or before query.
+
+  With `lengths` the rows must hold one segment each, real tokens first (ids positive on a row's
+  first tokens, 0 after), and the mask is their `LengthMask` (what cuDNN reads); otherwise the
+  [b, 1, t, s] array, built here once for every layer (`segment_mask`; causal: a prebuilt
+  `SegmentMask`, whose flag cuDNN reads)."""
+  if not lengths:
+    if k_segment_ids is not None:
+      return segment_mask(q_segment_ids, k_segment_ids)
+    return SegmentMask(q_segment_ids, causal=True).prebuilt() if causal else segment_mask(q_segment_ids)
+  k_segment_ids = q_segment_ids if k_segment_ids is None else k_segment_ids
+  count = lambda ids: jnp.sum(ids > 0, axis=1, dtype=jnp.int32)  # [b]
+  return LengthMask(count(q_segment_ids), count(k_segment_ids), (q_segment_ids.shape[1], k_segment_ids.shape[1]),
+                    causal)
+
+
+def dense_mask(mask: "jax.Array | SegmentMask | LengthMask | None") -> jax.Array | None:
+  """[b, 1|h, t, s] bool, or None: a `SegmentMask` or `LengthMask` as its array, any other mask
+  unchanged."""
+  return mask.dense() if isinstance(mask, (SegmentMask, LengthMask)) else mask
