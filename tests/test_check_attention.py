@@ -21,13 +21,15 @@ def cases():
 def test_cases_cover_the_masks_of_every_family(cases):
   """Causal / bidirectional packed rows as segment ids, grouped-query heads, the dense masks
   (prefix LM, both XLNet streams, cross attention), T5's bias beside a packed mask and beside rows'
-  lengths; the query stream has rows with no key."""
+  lengths, XLNet's terms as a bias per row; the query stream has rows with no key."""
   names = [c.name for c in cases]
   assert names == ["causal_packed", "causal_padded", "bidirectional_padded", "grouped_query_causal", "prefix_lm",
                    "two_stream_content", "two_stream_query", "cross", "biased_packed", "biased_lengths",
-                   "biased_causal_lengths", "cross_lengths"]
+                   "biased_causal_lengths", "biased_two_stream", "cross_lengths"]
   by_name = {c.name: c for c in cases}
-  assert [c.name for c in cases if c.bias is not None] == ["biased_packed", "biased_lengths", "biased_causal_lengths"]
+  assert [c.name for c in cases if c.bias is not None] == ["biased_packed", "biased_lengths", "biased_causal_lengths",
+                                                           "biased_two_stream"]
+  assert by_name["biased_two_stream"].bias.shape == (2, 4, 32, 32)
   lengths = by_name["biased_causal_lengths"].mask
   assert isinstance(lengths, attn.LengthMask) and lengths.causal and lengths.q_lengths.tolist() == [24, 2]
   assert by_name["cross_lengths"].mask.shape == (32, 16)

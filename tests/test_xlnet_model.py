@@ -353,3 +353,29 @@ def test_remat_gives_the_same_outputs_and_gradients(scan_layers, remat):
   np.testing.assert_allclose(lb, la, rtol=1e-6)
   close = lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5 * float(np.abs(y).max()))
   jax.tree_util.tree_map(close, gb, ga)
+
+
+@pytest.mark.parametrize("m", [0, 6])
+def test_attention_with_the_relative_terms_as_bias_is_the_softmax_of_all_terms(m):
+  """The attention tfx runs (the content term in the kernel, the position and segment terms as its
+  bias, `ops.dot_product_attention`) against the explicit softmax of all three terms (the path
+  attention dropout takes: a rate of 1e-9 keeps every probability, x / (1 - 1e-9) == x in float32):
+  the same logits, new memory and gradients, both streams; without memory the query stream has a
+  row with no allowed key, which gets the mean of V as in XLNet's own softmax."""
+  cfg = _cfg(attention_dropout=1e-9)
+  params = _init(_cfg())
+  tokens, types, content, query, mapping, mems, sign = _two_stream_inputs(m)
+  if not m:
+    assert not bool(jnp.all(jnp.any(query, axis=-1)))  # a keyless query row
+
+  def loss(p, train):
+    (logits, new_mems) = XLNet(cfg).apply({"params": p}, tokens, types, content, query, mapping, mems, sign,
+                                          train=train, rngs={"dropout": jax.random.key(0)})
+    return jnp.sum(logits**2) * 1e-2, (logits, new_mems)
+
+  run = lambda train: _compiled(jax.value_and_grad(functools.partial(loss, train=train), has_aux=True), params)(params)
+  (_, (kernel_logits, kernel_mems)), kernel_grads = run(False)
+  (_, (softmax_logits, softmax_mems)), softmax_grads = run(True)
+  np.testing.assert_allclose(kernel_logits, softmax_logits, rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(kernel_mems, softmax_mems, rtol=2e-5, atol=2e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), kernel_grads, softmax_grads)

@@ -8,10 +8,11 @@ interpreter); this is the same check for the device that trains: run it once on 
 host before trusting a fused kernel there. For each mask a family builds (causal and
 bidirectional packed rows with padding, grouped-query heads, prefix LM, XLNet's two streams,
 cross attention, T5's relative bias beside a packed mask or beside rows given by their lengths,
-`ops.LengthMask`) and each `model.attention` value, it runs `tfx.ops.dot_product_attention` as a
-model does (so a kernel that cannot take a mask falls back exactly as in training) and compares
-the output and the q, k, v (and bias) gradients with `reference_attention` computed in float32 at the
-highest matmul precision from the same rounded inputs. It prints which kernel actually ran
+`ops.LengthMask`, XLNet's relative terms as a bias per row) and each `model.attention` value, it
+runs `tfx.ops.dot_product_attention` as a model does (so a kernel that cannot take a mask falls
+back exactly as in training) and compares the output and the q, k, v (and bias) gradients with
+`reference_attention` computed in float32 at the highest matmul precision from the same rounded
+inputs. It prints which kernel actually ran
 (`attention: ...` reasons included) and the largest error relative to the largest reference
 value, and fails (exit status 1) where one is over the dtype's tolerance. Query rows with no
 allowed key (padding, the first token of a permutation's query stream) must come out as zeros.
@@ -68,10 +69,14 @@ def make_cases(*, length: int = 128, heads: int = 4, head_dim: int = 64, batch: 
   rng = np.random.default_rng(seed)
   b, t, h, d = batch, length, heads, head_dim
 
-  def case(name: str, mask, kv_heads: int = h, keys: int = t, bias: bool = False) -> Case:
+  def case(name: str, mask, kv_heads: int = h, keys: int = t, bias: str | None = None) -> Case:
+    """bias: 'heads' (T5's [1, h, t, s] float32) or 'rows' (XLNet's position and segment terms,
+    [b, h, t, s] in the inputs' dtype)."""
     q = jnp.asarray(rng.normal(size=(b, t, h, d)), dtype)
     k, v = (jnp.asarray(rng.normal(size=(b, keys, kv_heads, d)), dtype) for _ in range(2))
-    bias = jnp.asarray(rng.normal(size=(1, h, t, keys)), jnp.float32) if bias else None
+    if bias is not None:
+      rows, bias_dtype = (b, dtype) if bias == "rows" else (1, jnp.float32)
+      bias = jnp.asarray(rng.normal(size=(rows, h, t, keys)), bias_dtype)
     return Case(name, q, k, v, mask, jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32), bias)
 
   packed, _ = _packed(rng, b, t, documents=3, padding=0)
@@ -97,9 +102,11 @@ def make_cases(*, length: int = 128, heads: int = 4, head_dim: int = 64, batch: 
       case("cross", ops.segment_mask(jnp.minimum(padded, 2), source), keys=t // 2),
       # T5: the relative bias [1, h, t, s] beside packed rows' mask (cuDNN gets the two folded into one
       # [b, h, t, s] bias) and beside rows' lengths (cuDNN's padding mask)
-      case("biased_packed", ops.segment_mask(padded), bias=True),
-      case("biased_lengths", ops.rows_mask(queries, lengths=True), bias=True),
-      case("biased_causal_lengths", ops.rows_mask(queries, causal=True, lengths=True), bias=True),
+      case("biased_packed", ops.segment_mask(padded), bias="heads"),
+      case("biased_lengths", ops.rows_mask(queries, lengths=True), bias="heads"),
+      case("biased_causal_lengths", ops.rows_mask(queries, causal=True, lengths=True), bias="heads"),
+      # XLNet: the query stream with its position and segment terms as a bias per row
+      case("biased_two_stream", same & (rank[:, None, None, :] < rank[:, None, :, None]), bias="rows"),
       case("cross_lengths", ops.rows_mask(queries, keys, lengths=True), keys=t // 2),
   ]
 

@@ -145,6 +145,28 @@ def segment_difference(token_types: jax.Array, mem_length: int) -> jax.Array:
   return token_types[:, :, None] != keys[:, None, :]
 
 
+def relative_bias(q: jax.Array, k_r: jax.Array, biases: RelBiases, seg_embed: jax.Array,
+                  seg_diff: jax.Array | None) -> jax.Array:
+  """The position and segment terms of the unscaled scores, which attention adds to the content
+  term (q + r_w_bias) . k as a bias.
+
+  Args:
+    q: [b, t, h, d]; k_r: [b|1, p, h, d] (`distance_table`'s distances).
+    biases: r_r / r_s, [h, d] each (r_w belongs to the content term).
+    seg_embed: [2, h, d] (same-segment, different-segment).
+    seg_diff: [b, t, s] bool, or None for no segment term.
+
+  Returns:
+    [b, h, t, s] float32.
+  """
+  bd = positional_scores(q + biases.r_r.astype(q.dtype), k_r)  # [b, h, t, s]
+  if seg_diff is None:
+    return bd
+  ef = jnp.einsum("bthd,khd->bhtk", q + biases.r_s.astype(q.dtype), seg_embed.astype(q.dtype))  # [b, h, t, 2]
+  ef = ef.astype(jnp.float32)
+  return bd + jnp.where(seg_diff[:, None], ef[..., 1:], ef[..., :1])
+
+
 def relative_scores(q: jax.Array, k: jax.Array, k_r: jax.Array, biases: RelBiases, seg_embed: jax.Array,
                     seg_diff: jax.Array | None) -> jax.Array:
   """Unscaled scores: content + position + segment terms.
@@ -159,13 +181,7 @@ def relative_scores(q: jax.Array, k: jax.Array, k_r: jax.Array, biases: RelBiase
     [b, h, t, s] float32.
   """
   ac = jnp.einsum("bthd,bshd->bhts", q + biases.r_w.astype(q.dtype), k).astype(jnp.float32)
-  bd = positional_scores(q + biases.r_r.astype(q.dtype), k_r)
-  score = ac + bd
-  if seg_diff is not None:
-    ef = jnp.einsum("bthd,khd->bhtk", q + biases.r_s.astype(q.dtype), seg_embed.astype(q.dtype))  # [b, h, t, 2]
-    ef = ef.astype(jnp.float32)
-    score = score + jnp.where(seg_diff[:, None], ef[..., 1:], ef[..., :1])
-  return score
+  return ac + relative_bias(q, k_r, biases, seg_embed, seg_diff)
 
 
 def _scatter(x: jax.Array, target_mapping: jax.Array) -> jax.Array:
@@ -247,15 +263,32 @@ class TwoStreamAttention(nn.Module):
     k_r = proj("relative")(r.astype(dt))  # [b|1, p, h, d]
     scale = hd**-0.5
 
-    ops.log_choice("xla", "XLNet's relative two-stream attention has no fused kernel")
+    dropout = cfg.attention_dropout if not self.deterministic else 0.0
 
     def attend(q: jax.Array, mask: jax.Array | None) -> jax.Array:  # [b, t, h, d] -> [b, t, h, d]
-      score = relative_scores(q, k, k_r, biases, seg_embed, seg_diff) * scale  # [b, h, t, s]
-      if mask is not None:
-        score = jnp.where(mask[:, None], score, ops.MASK_VALUE)
-      probs = checkpoint_name(jax.nn.softmax(score, axis=-1), "attention_probs")  # kept by remat=dots_attention
-      probs = nn.Dropout(cfg.attention_dropout)(probs, deterministic=self.deterministic)
-      return checkpoint_name(jnp.einsum("bhts,bshd->bthd", probs.astype(v.dtype), v), "attention_out")
+      if dropout > 0.0:  # the fused kernels have no dropout on the probabilities
+        ops.log_choice("xla", f"model.attention_dropout={dropout}: no fused kernel applies dropout")
+        score = relative_scores(q, k, k_r, biases, seg_embed, seg_diff) * scale  # [b, h, t, s]
+        if mask is not None:
+          score = jnp.where(mask[:, None], score, ops.MASK_VALUE)
+        probs = checkpoint_name(jax.nn.softmax(score, axis=-1), "attention_probs")  # kept by remat=dots_attention
+        probs = nn.Dropout(cfg.attention_dropout)(probs, deterministic=self.deterministic)
+        return checkpoint_name(jnp.einsum("bhts,bshd->bthd", probs.astype(v.dtype), v), "attention_out")
+      # The content term is attention's own q . k (with r_w_bias added to q); the position and
+      # segment terms are its bias, [b, h, t, s] in the compute dtype (cuDNN's fused attention on a
+      # GPU reads and writes it, and its gradient, at half the bytes of float32; the softmax stays
+      # float32), else XLA's attention with its own backward pass.
+      bias = (relative_bias(q, k_r, biases, seg_embed, seg_diff) * scale).astype(q.dtype)  # [b, h, t, s]
+      out = ops.dot_product_attention(q + biases.r_w.astype(q.dtype), k, v, bias=bias, scale=scale,
+                                      mask=None if mask is None else mask[:, None], implementation=cfg.attention)
+      if mask is None:
+        return out
+      # A row with no allowed key (the query stream's first token in the factorisation order, before
+      # any memory) gets the mean of V, as XLNet's own softmax over all-masked scores gives it (and
+      # the dropout path above): never predicted by tfx's objective, but the model's function is XLNet's.
+      keyless = ~jnp.any(mask, axis=-1)[:, :, None, None]  # [b, t, 1, 1]
+      mean_v = jnp.mean(v.astype(jnp.float32), axis=1, keepdims=True).astype(out.dtype)  # [b, 1, h, d]
+      return jnp.where(keyless, mean_v, out)
 
     def post(x: jax.Array, vec: jax.Array) -> jax.Array:
       return norm(x + drop(out(vec)))

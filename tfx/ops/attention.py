@@ -240,7 +240,7 @@ def recorded_choices():
 def log_choice(impl: str, why: str) -> None:
   """Logs which attention kernel a call site runs and why: one line per distinct (kernel,
   reason), at trace time (so once per compiled step); every call reaches `recorded_choices`.
-  Attention written outside `dot_product_attention` (XLNet's relative two-stream attention)
+  Attention written outside `dot_product_attention` (attention dropout's explicit softmax)
   reports itself here too."""
   for chosen in _RECORDERS:
     chosen.append((impl, why))
