@@ -37,8 +37,9 @@
 # GPT-2's with XLA's attention takes 18 GiB at 16. On an H200 (2026-11-27, layers scanned) the
 # first six steps took 336 s together and the profile 130 s; on an H100 (the same day, unrolled)
 # env 4 s, suite 342 s (the four models' compiles 13-43 s), baseline 135 s. A session's 15 minutes
-# of device time hold about two such calls (a machine's start counts too): `env suite baseline`,
-# then `t5_128 bias scanned kernels loss_chunk` (t5_128u alone, if time is left). The limits are each step's worst case.
+# of device time hold about two such calls (a machine's start counts too): `env attention suite`
+# (the check covers T5's lengths and XLNet's per-row bias, adopted 2026-11-27 without a device),
+# then `baseline t5_128 bias` (t5_128u alone, if time is left). The limits are each step's worst case.
 # Each step writes OUT/<step>.log and OUT/<step>.json; the last lines printed are
 # OUT/summary.txt, each step's exit status and seconds (124: over its limit).
 # TFX_GPU_ARCHIVE=FILE: after each step, OUT (less the traces) is also packed into FILE (.tgz), so that
