@@ -62,6 +62,8 @@ def test_session_runs_every_step_and_writes_its_results(tmp_path):
     bias = json.loads((out / f"bias_{case}.json").read_text())
     assert [r["variant"] for r in bias["rows"]] == variants and all(r["ms"] > 0 and r["finite"] for r in bias["rows"])
     assert all(v <= 1e-6 for v in bias["agreement"].values())  # the XLA path: the same function
+    if case == "t5":
+      assert [r["padding_gradient_max"] == 0.0 for r in bias["rows"]] == [True, True, False]  # "no mask" has none
   baseline = json.loads((out / "baseline.json").read_text())
   assert [m["name"] for m in baseline["models"]] == [m["name"] for m in suite["models"]]
   assert baseline["compile_layers"] == {}

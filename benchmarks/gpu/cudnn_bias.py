@@ -22,7 +22,9 @@ This times, forward and backward with the gradients of q, k, v and the bias:
 and checks `lengths` against `mask` (outputs and every gradient, on the real query rows; the padded
 rows' outputs are zeroed first, as tfx's guard does); one row has 2 real tokens, and every
 output and gradient must be finite (cuDNN gave NaN for rows without keys before:
-benchmarks/gpu/cudnn_empty_rows.py).
+benchmarks/gpu/cudnn_empty_rows.py). Each T5 row also reports `padding_gradient_max`, the largest
+|dq|, |dk|, |dv| at padding positions, which are 0: whether cuDNN writes them with lengths (tfx,
+which adopted the lengths on 2026-11-27 without a GPU, zeroes them itself: three selects a call).
 
 `--case gpt2` asks the same of GPT-2's packed causal rows (two documents a row, no bias): JAX
 turns the mask into a [b, 1, t, t] bias and, since its `should_export_dbias` always says yes,
@@ -125,8 +127,14 @@ def run(variant: str, implementation: str | None, args_: tuple, steps: int) -> d
     times.append(time.perf_counter() - start)
   (_, out), grads = result
   finite = all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in (out, *grads))
-  return {"variant": variant, "ms": 1e3 * statistics.median(times), "compile_s": compile_s, "finite": finite,
-          "values": (out, *grads)}
+  row = {"variant": variant, "ms": 1e3 * statistics.median(times), "compile_s": compile_s, "finite": finite,
+         "values": (out, *grads)}
+  if args_[3] is not None:  # T5: the q, k, v gradients at padding positions, which are 0 (a kernel that
+    # leaves them unwritten gives whatever the memory held: tfx zeroes them behind cuDNN's lengths)
+    padding = jnp.arange(out.shape[1])[None, :] >= args_[4][:, None]  # [b, t]
+    row["padding_gradient_max"] = max(float(jnp.max(jnp.where(padding[:, :, None, None], jnp.abs(g), 0)))
+                                      for g in grads[:3])
+  return row
 
 
 def max_difference(a, b) -> float:
@@ -160,7 +168,9 @@ def main(argv: list[str] | None = None) -> None:
     row = rows[-1]
     print(f"{variant:15s} " + (f"refused: {row['refused']}" if "refused" in row else
                                f"{row['ms']:8.3f} ms fwd+bwd  compile {row['compile_s']:.1f} s"
-                               f"{'' if row['finite'] else '  NOT FINITE'}"), flush=True)
+                               f"{'' if row['finite'] else '  NOT FINITE'}"
+                               + (f"  padding gradients <= {row['padding_gradient_max']:.3g}"
+                                  if "padding_gradient_max" in row else "")), flush=True)
   reference, candidate = rows[0], rows[1]
   agreement = None
   if "values" in reference and "values" in candidate:
