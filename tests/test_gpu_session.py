@@ -46,7 +46,7 @@ def test_session_runs_every_step_and_writes_its_results(tmp_path):
   assert proc.returncode == 0, proc.stderr[-2000:]
   summary = (out / "summary.txt").read_text().splitlines()
   assert [line.split()[0] for line in summary] == ["env", "attention", "suite", "t5_128", "t5_128u", "scanned",
-                                                   "kernels", "loss_chunk", "profile", "bias", "baseline"]
+                                                   "kernels", "loss_chunk", "profile", "bias", "xla_flags", "baseline"]
   assert all(line.split()[1] == "rc=0" for line in summary), summary
   assert proc.stdout.rstrip().endswith(summary[-1])  # the summary is printed last
   env_log = (out / "env.log").read_text()
@@ -64,6 +64,13 @@ def test_session_runs_every_step_and_writes_its_results(tmp_path):
     assert all(v <= 1e-6 for v in bias["agreement"].values())  # the XLA path: the same function
     if case == "t5":
       assert [r["padding_gradient_max"] == 0.0 for r in bias["rows"]] == [True, True, False]  # "no mask" has none
+  for i in (1, 2):  # GPT-2 under each XLA:GPU option (on this CPU: parsed, and without effect)
+    flagged = json.loads((out / f"xla_flags_{i}.json").read_text())
+    assert [m["name"] for m in flagged["models"]] == ["gpt2_small"]
+  flag_lines = [line for line in (out / "xla_flags.log").read_text().splitlines() if line.startswith("== XLA_FLAGS=")]
+  assert [line.split()[-1] for line in flag_lines] == ["--xla_gpu_experimental_enable_fusion_block_level_rewriter=true",
+                                                       "--xla_gpu_enable_cudnn_layer_norm=true"]
+  assert all(os.environ.get("XLA_FLAGS", "") in line for line in flag_lines)  # added to the outer flags
   baseline = json.loads((out / "baseline.json").read_text())
   assert [m["name"] for m in baseline["models"]] == [m["name"] for m in suite["models"]]
   assert baseline["compile_layers"] == {}

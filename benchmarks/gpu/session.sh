@@ -26,6 +26,10 @@
 #                mask (today), as sequence lengths, and unmasked; at GPT-2's, the packed
 #                causal mask with and without its bias gradient, and causal only: times and
 #                agreement (benchmarks/gpu/cudnn_bias.py, OUT/bias_t5.json, OUT/bias_gpt2.json)
+#   xla_flags    GPT-2-small under XLA:GPU options that move the same bytes differently    150 s
+#                (compiled for an H100 here): every fusion emitted by Triton
+#                (fusion_block_level_rewriter), cuDNN's layer norm (the forward norms: -1.2 GB
+#                of 110): OUT/xla_flags_1.json, _2.json against the suite's row
 #   baseline     the suite's four rows (no depth) run by an older tree of the project, the 240 s
 #                folder in TFX_GPU_BASELINE (`git archive REV tfx configs | tar -x -C DIR`):
 #                its program against this one's on the same machine
@@ -39,7 +43,8 @@
 # env 4 s, suite 342 s (the four models' compiles 13-43 s), baseline 135 s. A session's 15 minutes
 # of device time hold about two such calls (a machine's start counts too): `env attention suite`
 # (the check covers T5's lengths and XLNet's per-row bias, adopted 2026-11-27 without a device),
-# then `baseline t5_128 bias` (t5_128u alone, if time is left). The limits are each step's worst case.
+# then `baseline t5_128 bias xla_flags` (t5_128u alone, if time is left). The limits are each step's
+# worst case.
 # Each step writes OUT/<step>.log and OUT/<step>.json; the last lines printed are
 # OUT/summary.txt, each step's exit status and seconds (124: over its limit).
 # TFX_GPU_ARCHIVE=FILE: after each step, OUT (less the traces) is also packed into FILE (.tgz), so that
@@ -51,7 +56,7 @@ set -u
 out=$1
 shift
 steps=("$@")
-all_steps=(env attention suite t5_128 t5_128u scanned kernels loss_chunk profile bias baseline)
+all_steps=(env attention suite t5_128 t5_128u scanned kernels loss_chunk profile bias xla_flags baseline)
 [ ${#steps[@]} -gt 0 ] || steps=("${all_steps[@]}")
 for step in "${steps[@]}"; do
   [[ " ${all_steps[*]} " == *" $step "* ]] || { echo "unknown step $step (${all_steps[*]})" >&2; exit 2; }
@@ -129,6 +134,12 @@ print(\"ml_collections from\", ml_collections.__file__)'
                   --json "$out/loss_chunk.json" ;;
     bias) run bias 90 bash -c 'for case in t5 gpt2; do "$0" benchmarks/gpu/cudnn_bias.py --case $case "${@:2}" \
                 --json "$1/bias_$case.json" || exit; done' "$py" "$out" "${bias[@]}" ;;
+    xla_flags) run xla_flags 150 bash -c 'i=0
+                 for flag in --xla_gpu_experimental_enable_fusion_block_level_rewriter=true \
+                             --xla_gpu_enable_cudnn_layer_norm=true; do
+                   i=$((i + 1)); echo "== XLA_FLAGS=${XLA_FLAGS:-} $flag"
+                   XLA_FLAGS="${XLA_FLAGS:-} $flag" "$@" --json "$0/xla_flags_$i.json" || exit
+                 done' "$out" "${bench[@]}" --only gpt2_small --skip-depth ;;
     baseline) run baseline 240 env PYTHONPATH="$base:$deps${outer_path:+:$outer_path}" \
                 bash -c 'cd "$0" && exec "$@"' "$base" \
                 "${bench[@]}" --skip-depth --json "$out/baseline.json" ;;
