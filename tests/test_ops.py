@@ -388,3 +388,41 @@ def test_activation_backward_matches_float64(name, dtype):
   with target.lowering_for("gpu"):
     fused = str(jax.make_jaxpr(lambda z: act(z))(x32))
   assert "custom_vjp_call" not in plain and "custom_vjp_call" in fused
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_attention_dropout_is_autodiff_through_the_dropped_softmax(kv_heads):
+  """XLA's attention with attention dropout (`softmax_attention(..., keep=)`, the dropout inside its
+  own backward pass; XLNet's path) against autodiff through softmax, the same [b, h, t, s] keep mask
+  and the product with V: values and the q, k, v and bias gradients, a bias per head, packed rows
+  with padding (rows with no key give zeros), grouped-query heads."""
+  from tfx.ops import attention as attn
+
+  rng = np.random.default_rng(7)
+  b, t, h, d, rate = 2, 10, 4, 8, 0.3
+  q = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(b, t, kv_heads, d)), jnp.float32) for _ in range(2))
+  bias = jnp.asarray(rng.normal(size=(1, h, t, t)), jnp.float32)
+  mask = ops.segment_mask(jnp.asarray(random_packed(rng, b, t, pad=3)[0]))
+  keep = jax.random.bernoulli(jax.random.key(3), 1.0 - rate, (b, h, t, t))
+  cot = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+
+  def by_autodiff(q, k, v, bias):
+    g = h // kv_heads
+    kk, vv = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)  # [b, t, h, d]
+    scores = jnp.einsum("bthd,bshd->bhts", q, kk) * d**-0.5 + bias
+    probs = jax.nn.softmax(jnp.where(mask, scores, ops.MASK_VALUE), axis=-1)
+    out = jnp.einsum("bhts,bshd->bthd", jnp.where(keep, probs / (1.0 - rate), 0.0), vv)
+    return jnp.where(jnp.moveaxis(ops.rows_attend(mask), 1, 2)[..., None], out, 0.0)
+
+  def fused(q, k, v, bias):
+    return attn.softmax_attention(q, k, v, mask, bias, d**-0.5, dropout_rate=rate, keep=keep)
+
+  def run(f):
+    loss = lambda *a: jnp.sum(f(*a) * cot)
+    return [np.asarray(x) for x in (f(q, k, v, bias), *jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias))]
+
+  got, want = run(jax.jit(fused)), run(jax.jit(by_autodiff))
+  assert np.any(got[0] == 0.0) and not np.all(got[0] == 0.0)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)

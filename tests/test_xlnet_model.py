@@ -355,27 +355,41 @@ def test_remat_gives_the_same_outputs_and_gradients(scan_layers, remat):
   jax.tree_util.tree_map(close, gb, ga)
 
 
-@pytest.mark.parametrize("m", [0, 6])
-def test_attention_with_the_relative_terms_as_bias_is_the_softmax_of_all_terms(m):
-  """The attention tfx runs (the content term in the kernel, the position and segment terms as its
-  bias, `ops.dot_product_attention`) against the explicit softmax of all three terms (the path
-  attention dropout takes: a rate of 1e-9 keeps every probability, x / (1 - 1e-9) == x in float32):
-  the same logits, new memory and gradients, both streams; without memory the query stream has a
-  row with no allowed key, which gets the mean of V as in XLNet's own softmax."""
-  cfg = _cfg(attention_dropout=1e-9)
-  params = _init(_cfg())
-  tokens, types, content, query, mapping, mems, sign = _two_stream_inputs(m)
-  if not m:
-    assert not bool(jnp.all(jnp.any(query, axis=-1)))  # a keyless query row
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_relative_attention_is_the_softmax_of_the_three_terms(dropout):
+  """`relative_attention` (the content term in the kernel, the position and segment terms as its
+  bias; attention dropout inside XLA's attention) against softmax(where(mask, relative_scores *
+  scale)) . v by autodiff, with the same [b, h, t, s] dropout draw: values and the gradients of q,
+  k, v, the encodings, the three biases and the segment embedding; memory, a position encoding per
+  row (bi_data) and a query row with no key, which gets the mean of V (without dropout; with it,
+  XLNet's softmax would drop part of that mean, and the row is left out)."""
+  rng = np.random.default_rng(11)
+  b, t, m, h, d = 2, 6, 3, 2, 4
+  s = m + t
+  f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  q, k, v, k_r = f32(b, t, h, d), f32(b, s, h, d), f32(b, s, h, d), f32(b, s + t - 1, h, d)
+  biases, seg_embed = X.RelBiases(f32(h, d), f32(h, d), f32(h, d)), f32(2, h, d)
+  seg_diff = jnp.asarray(rng.integers(0, 2, (b, t, s)).astype(bool))
+  mask = jnp.asarray(rng.random((b, t, s)) < 0.6).at[0, 2].set(False)  # [b, t, s]; row 2 of row 0: no key
+  key, scale = jax.random.key(5), d**-0.5
+  rows = jnp.any(mask, axis=-1) if dropout else jnp.ones((b, t), bool)  # the rows compared
+  cot = f32(b, t, h, d) * rows[:, :, None, None]
 
-  def loss(p, train):
-    (logits, new_mems) = XLNet(cfg).apply({"params": p}, tokens, types, content, query, mapping, mems, sign,
-                                          train=train, rngs={"dropout": jax.random.key(0)})
-    return jnp.sum(logits**2) * 1e-2, (logits, new_mems)
+  def by_autodiff(q, k, v, k_r, biases, seg_embed):
+    score = X.relative_scores(q, k, k_r, biases, seg_embed, seg_diff) * scale  # [b, h, t, s]
+    probs = jax.nn.softmax(jnp.where(mask[:, None], score, -1e30), axis=-1)
+    if dropout:
+      probs = jnp.where(jax.random.bernoulli(key, 1.0 - dropout, probs.shape), probs / (1.0 - dropout), 0.0)
+    return jnp.einsum("bhts,bshd->bthd", probs, v)
 
-  run = lambda train: _compiled(jax.value_and_grad(functools.partial(loss, train=train), has_aux=True), params)(params)
-  (_, (kernel_logits, kernel_mems)), kernel_grads = run(False)
-  (_, (softmax_logits, softmax_mems)), softmax_grads = run(True)
-  np.testing.assert_allclose(kernel_logits, softmax_logits, rtol=2e-5, atol=2e-5)
-  np.testing.assert_allclose(kernel_mems, softmax_mems, rtol=2e-5, atol=2e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), kernel_grads, softmax_grads)
+  fused = functools.partial(X.relative_attention, seg_diff=seg_diff, mask=mask, scale=scale, dropout_rate=dropout,
+                            dropout_rng=key)
+
+  def run(f):
+    args = (q, k, v, k_r, biases, seg_embed)
+    loss = lambda *a: jnp.sum(f(*a) * cot)
+    out, grads = jax.jit(f)(*args), jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args)
+    return [np.asarray(out) * np.asarray(rows)[:, :, None, None]] + [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+  for got, want in zip(run(fused), run(by_autodiff)):
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)

@@ -27,8 +27,8 @@ REMAT_POLICIES: dict[str, Callable | None] = {
     "dots_with_no_batch_dims_saveable": _cp.dots_with_no_batch_dims_saveable,
     "everything_saveable": _cp.everything_saveable,  # save all (remat as a no-op, for comparison)
     # The weight matmuls and the attention's own residuals (tfx.ops.softmax_attention's unnormalised
-    # probabilities, inverse row sums and output; XLNet's probabilities and output; the fused
-    # kernels' output and softmax statistics: cuDNN's, Pallas', splash's), not the q.k scores: the
+    # probabilities, inverse row sums and output, XLNet's included; the fused kernels' output and
+    # softmax statistics: cuDNN's, Pallas', splash's), not the q.k scores: the
     # backward pass recomputes neither the mask nor the softmax, nor runs a forward kernel again
     # (the default).
     "dots_attention": _cp.save_from_both_policies(

@@ -9,6 +9,10 @@ n prediction slots, p relative distances (s + t - 1 of them).
   keys cut out of that table (`positional_scores`, a pad-and-reshape shift); `rel_shift_scores` is the
   Transformer-XL shift formulation over all of them, kept as a test reference.
 - Segments: s_ij = [type_i != type_j]; memory positions have type 0.
+- Attention (`relative_attention`): the content term (q + r_w_bias) . k is a fused kernel's own
+  q . k and the position and segment terms (`relative_bias`) its bias, through
+  `tfx.ops.dot_product_attention` (cuDNN on a GPU); `relative_scores` writes the three terms out,
+  the reference it is tested against.
 - Two streams share every weight: the content stream h attends [mem; h] under `content_mask`;
   the query stream g attends the same keys / values under `query_mask` and is never a key.
 - Masks are inputs (True = may attend); nothing here knows about permutations.
@@ -19,7 +23,6 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from tfx import ops
 from tfx.nn.layers import DenseGeneral, Mlp, ModelConfig, Norm, constrain
@@ -184,6 +187,45 @@ def relative_scores(q: jax.Array, k: jax.Array, k_r: jax.Array, biases: RelBiase
   return ac + relative_bias(q, k_r, biases, seg_embed, seg_diff)
 
 
+def relative_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_r: jax.Array, biases: RelBiases,
+                       seg_embed: jax.Array, seg_diff: jax.Array | None, mask: jax.Array | None, *, scale: float,
+                       implementation: str = "auto", dropout_rate: float = 0.0,
+                       dropout_rng: jax.Array | None = None) -> jax.Array:
+  """softmax(where(mask, `relative_scores` * scale, -inf)) . v, as a fused attention computes it.
+
+  The content term (q + r_w_bias) . k is the attention's own q . k; the position and segment terms
+  (`relative_bias`) are its bias, [b, h, t, s] in the compute dtype (cuDNN's fused attention on a
+  GPU reads it and writes its gradient at half the bytes of float32; the softmax stays float32),
+  else XLA's attention with its own backward pass, which also applies attention dropout (no fused
+  kernel here does). A row with no allowed key (the query stream's first token in the factorisation
+  order, before any memory) gets the mean of V, as XLNet's own softmax over all-masked scores
+  gives it: never predicted by tfx's objective, but the model's function is XLNet's.
+
+  Args:
+    q: [b, t, h, d]; k, v: [b, s, h, d]; k_r, biases, seg_embed, seg_diff: as `relative_scores`.
+    mask: [b, t, s] bool (True = may attend) or None.
+    scale: the scores' scale; implementation: `model.attention`.
+    dropout_rate, dropout_rng: attention dropout on the probabilities ([b, h, t, s] drawn from the key).
+
+  Returns:
+    [b, t, h, d] in q's dtype.
+  """
+  bias = (relative_bias(q, k_r, biases, seg_embed, seg_diff) * scale).astype(q.dtype)  # [b, h, t, s]
+  q_w = q + biases.r_w.astype(q.dtype)
+  mask4 = None if mask is None else mask[:, None]  # [b, 1, t, s]
+  if dropout_rate > 0.0:
+    ops.log_choice("xla", f"model.attention_dropout={dropout_rate}: no fused kernel applies dropout")
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, bias.shape)  # [b, h, t, s]
+    out = ops.attention.softmax_attention(q_w, k, v, mask4, bias, scale, dropout_rate=dropout_rate, keep=keep)
+  else:
+    out = ops.dot_product_attention(q_w, k, v, bias=bias, scale=scale, mask=mask4, implementation=implementation)
+  if mask is None:
+    return out
+  keyless = ~jnp.any(mask, axis=-1)[:, :, None, None]  # [b, t, 1, 1]
+  mean_v = jnp.mean(v.astype(jnp.float32), axis=1, keepdims=True).astype(out.dtype)  # [b, 1, h, d]
+  return jnp.where(keyless, mean_v, out)
+
+
 def _scatter(x: jax.Array, target_mapping: jax.Array) -> jax.Array:
   """[b, n, h, d] prediction slots -> [b, t, h, d] positions (sum over slots mapped there)."""
   return jnp.einsum("bnhd,bnt->bthd", x, target_mapping.astype(x.dtype))
@@ -266,29 +308,9 @@ class TwoStreamAttention(nn.Module):
     dropout = cfg.attention_dropout if not self.deterministic else 0.0
 
     def attend(q: jax.Array, mask: jax.Array | None) -> jax.Array:  # [b, t, h, d] -> [b, t, h, d]
-      if dropout > 0.0:  # the fused kernels have no dropout on the probabilities
-        ops.log_choice("xla", f"model.attention_dropout={dropout}: no fused kernel applies dropout")
-        score = relative_scores(q, k, k_r, biases, seg_embed, seg_diff) * scale  # [b, h, t, s]
-        if mask is not None:
-          score = jnp.where(mask[:, None], score, ops.MASK_VALUE)
-        probs = checkpoint_name(jax.nn.softmax(score, axis=-1), "attention_probs")  # kept by remat=dots_attention
-        probs = nn.Dropout(cfg.attention_dropout)(probs, deterministic=self.deterministic)
-        return checkpoint_name(jnp.einsum("bhts,bshd->bthd", probs.astype(v.dtype), v), "attention_out")
-      # The content term is attention's own q . k (with r_w_bias added to q); the position and
-      # segment terms are its bias, [b, h, t, s] in the compute dtype (cuDNN's fused attention on a
-      # GPU reads and writes it, and its gradient, at half the bytes of float32; the softmax stays
-      # float32), else XLA's attention with its own backward pass.
-      bias = (relative_bias(q, k_r, biases, seg_embed, seg_diff) * scale).astype(q.dtype)  # [b, h, t, s]
-      out = ops.dot_product_attention(q + biases.r_w.astype(q.dtype), k, v, bias=bias, scale=scale,
-                                      mask=None if mask is None else mask[:, None], implementation=cfg.attention)
-      if mask is None:
-        return out
-      # A row with no allowed key (the query stream's first token in the factorisation order, before
-      # any memory) gets the mean of V, as XLNet's own softmax over all-masked scores gives it (and
-      # the dropout path above): never predicted by tfx's objective, but the model's function is XLNet's.
-      keyless = ~jnp.any(mask, axis=-1)[:, :, None, None]  # [b, t, 1, 1]
-      mean_v = jnp.mean(v.astype(jnp.float32), axis=1, keepdims=True).astype(out.dtype)  # [b, 1, h, d]
-      return jnp.where(keyless, mean_v, out)
+      return relative_attention(q, k, v, k_r, biases, seg_embed, seg_diff, mask, scale=scale,
+                                implementation=cfg.attention, dropout_rate=dropout,
+                                dropout_rng=self.make_rng("dropout") if dropout else None)
 
     def post(x: jax.Array, vec: jax.Array) -> jax.Array:
       return norm(x + drop(out(vec)))

@@ -151,7 +151,14 @@ def _scores(q, k, mask, bias, scale):
   return s
 
 
-def _softmax_attention_fwd(q, k, v, mask, bias, scale):
+def _dropped(p: jax.Array, keep: jax.Array | None, rate: float) -> jax.Array:
+  """p [b, k, g, t, s] with attention dropout: kept entries scaled by 1 / (1 - rate), the rest 0."""
+  if keep is None:
+    return p
+  return jnp.where(_grouped(keep, p.shape[1]), p * jnp.float32(1.0 / (1.0 - rate)), 0.0)
+
+
+def _attention_fwd(q, k, v, mask, bias, keep, scale, rate):
   """Returns (out [b, t, h, d], residuals). The softmax is left unnormalised, [b, k, g, t, s], and
   its row sums divide the output [b, t, h, d] instead (d values per row rather than s)."""
   b, t, h, d = q.shape
@@ -162,14 +169,42 @@ def _softmax_attention_fwd(q, k, v, mask, bias, scale):
   p = jnp.where(top > 0.5 * MASK_VALUE, jnp.exp(s - top), 0.0)
   total = jnp.sum(p, axis=-1)  # [b, k, g, t]: 0 for such a row, else >= 1 (the max gives exp(0))
   inv_l = jnp.where(total > 0.0, 1.0 / jnp.maximum(total, 1.0), 0.0)
-  out = _pv(p.astype(v.dtype), v)  # [b, t, k, g, d]
+  out = _pv(_dropped(p, keep, rate).astype(v.dtype), v)  # [b, t, k, g, d]
   out = out * jnp.moveaxis(inv_l, 3, 1)[..., None]  # [b, t, k, g, d]
   p, inv_l, out = (checkpoint_name(x, n) for x, n in zip((p, inv_l, out), RESIDUAL_NAMES))
-  return out.reshape(b, t, h, d).astype(q.dtype), (q, k, v, bias, p, inv_l, out)
+  return out.reshape(b, t, h, d).astype(q.dtype), (q, k, v, bias, keep, p, inv_l, out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def softmax_attention(q, k, v, mask, bias, scale):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _attention(q, k, v, mask, bias, keep, scale, rate):
+  return _attention_fwd(q, k, v, mask, bias, keep, scale, rate)[0]
+
+
+def _attention_bwd(scale, rate, residuals, d_out):
+  q, k, v, bias, keep, p, inv_l, out = residuals  # no mask: p is exactly 0 wherever it is False
+  b, t, h, d = q.shape
+  kh = k.shape[2]
+  # dS = P * (dP - rowsum(dO * O)) with P = p / l: fold 1/l into dO once ([b, t, k, g, d]). With
+  # dropout, dP is dO . V^T where kept (scaled), and rowsum(P * dP) is still rowsum(dO * O).
+  d_out = d_out.reshape(b, t, kh, h // kh, d).astype(jnp.float32) * jnp.moveaxis(inv_l, 3, 1)[..., None]
+  d_v = _ptx(_dropped(p, keep, rate).astype(v.dtype), d_out.astype(v.dtype))  # [b, s, k, d]
+  d_p = _dropped(_qk(d_out.astype(v.dtype), v), keep, rate)  # [b, k, g, t, s]
+  row = jnp.moveaxis(jnp.sum(d_out * out, axis=-1), 1, 3)  # [b, k, g, t]
+  d_s = p * (d_p - row[..., None])  # [b, k, g, t, s]; 0 wherever the mask is False (p is 0 there)
+  d_bias = None
+  if bias is not None:
+    d_bias = d_s.reshape(b, h, t, -1)
+    d_bias = jnp.sum(d_bias, axis=tuple(i for i in (0, 1) if bias.shape[i] == 1), keepdims=True).astype(bias.dtype)
+  d_s = d_s.astype(q.dtype)  # the dQ / dK matmuls in the compute dtype
+  d_q = _pv(d_s, k).reshape(b, t, h, d) * scale
+  d_k = _ptx(d_s, q.reshape(b, t, kh, h // kh, d)) * scale
+  return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None, d_bias, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def softmax_attention(q, k, v, mask, bias, scale, *, dropout_rate: float = 0.0, keep: jax.Array | None = None):
   """Einsum attention for XLA (CPU, TPU, and GPU when cuDNN does not apply), with a hand-written
   backward pass. The same function as `reference_attention` (tests compare values and gradients)
   with fewer passes over the [b, k, g, t, s] scores and one [b, k, g, t, s] residual (the
@@ -180,32 +215,11 @@ def softmax_attention(q, k, v, mask, bias, scale):
   gradients), never the mean of V.
 
   Args: as `reference_attention` (mask bool, bias float, both [b|1, h|1, t, s] or None); scale a
-  Python float. Returns [b, t, h, d] in q's dtype.
+  Python float; attention dropout: `keep` [b, h|1, t, s] bool, the probabilities kept (scaled by
+  1 / (1 - dropout_rate)), or None. With dropout the identity the backward pass uses still holds:
+  rowsum(P * dP) = rowsum(dO * O) with O the dropped output. Returns [b, t, h, d] in q's dtype.
   """
-  return _softmax_attention_fwd(q, k, v, mask, bias, scale)[0]
-
-
-def _softmax_attention_bwd(scale, residuals, d_out):
-  q, k, v, bias, p, inv_l, out = residuals  # no mask: p is exactly 0 wherever it is False
-  b, t, h, d = q.shape
-  kh = k.shape[2]
-  # dS = P * (dP - rowsum(dO * O)) with P = p / l: fold 1/l into dO once ([b, t, k, g, d]).
-  d_out = d_out.reshape(b, t, kh, h // kh, d).astype(jnp.float32) * jnp.moveaxis(inv_l, 3, 1)[..., None]
-  d_v = _ptx(p.astype(v.dtype), d_out.astype(v.dtype))  # [b, s, k, d]
-  d_p = _qk(d_out.astype(v.dtype), v)  # [b, k, g, t, s]
-  row = jnp.moveaxis(jnp.sum(d_out * out, axis=-1), 1, 3)  # [b, k, g, t]
-  d_s = p * (d_p - row[..., None])  # [b, k, g, t, s]; 0 wherever the mask is False (p is 0 there)
-  d_bias = None
-  if bias is not None:
-    d_bias = d_s.reshape(b, h, t, -1)
-    d_bias = jnp.sum(d_bias, axis=tuple(i for i in (0, 1) if bias.shape[i] == 1), keepdims=True).astype(bias.dtype)
-  d_s = d_s.astype(q.dtype)  # the dQ / dK matmuls in the compute dtype
-  d_q = _pv(d_s, k).reshape(b, t, h, d) * scale
-  d_k = _ptx(d_s, q.reshape(b, t, kh, h // kh, d)) * scale
-  return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None, d_bias
-
-
-softmax_attention.defvjp(_softmax_attention_fwd, _softmax_attention_bwd)
+  return _attention(q, k, v, mask, bias, keep, float(scale), float(dropout_rate) if keep is not None else 0.0)
 
 
 def _on_gpu() -> bool:
