@@ -54,8 +54,8 @@ class EncoderDecoder(Family):
     cfg = self.cfg
     # One segment a row: the masks as the rows' lengths where the kernel reads them (cuDNN; not
     # while decoding, where a step's queries are not a row's first tokens).
-    lengths = one_segment and not decode and ops.attention.choose_implementation(cfg.attention, cfg.compute_dtype,
-                                                                  cfg.head_dim)[0] == "cudnn"
+    kernel = ops.attention.choose_implementation(cfg.attention, cfg.compute_dtype, cfg.head_dim)[0]
+    lengths = one_segment and not decode and kernel == "cudnn"
     embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=cfg.compute_dtype, name="token_embed")
     if encoded is None:
       encoded = self._encode(embed, encoder_tokens, encoder_segment_ids, encoder_positions, train, lengths)

@@ -5,7 +5,7 @@ Dimension letters used in shapes and einsums throughout tfx:
   b batch, t query length, s key length, h query heads, k key/value heads, d head dim,
   e embed (d_model), f MLP hidden, v vocab, l layers.
 
-The masks (who may attend to whom) are in `tfx.ops.masks`, re-exported here.
+The masks (who may attend to whom) are in `tfx.ops.masks` (and `tfx.ops`).
 """
 
 import contextlib
@@ -18,21 +18,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from tfx.ops import flash, splash, target
-from tfx.ops.masks import (  # noqa: F401  (re-exported: tfx.ops.attention has always had the masks)
-    SEGMENT_ID_KERNELS,
-    LengthMask,
-    SegmentMask,
-    assert_rows_attend,
-    causal_mask,
-    decoder_mask,
-    dense_mask,
-    padding_mask,
-    prefix_lm_mask,
-    rows_attend,
-    rows_mask,
-    segment_mask,
-    self_attention_mask,
-)
+from tfx.ops.masks import SEGMENT_ID_KERNELS, LengthMask, SegmentMask, dense_mask, rows_attend
 
 Implementation = Literal["auto", "xla", "cudnn", "pallas", "splash", "reference"]
 # The kernels that read a packed row's segment ids (`SegmentMask`) instead of a dense mask:
@@ -254,8 +240,8 @@ def recorded_choices():
 def log_choice(impl: str, why: str) -> None:
   """Logs which attention kernel a call site runs and why: one line per distinct (kernel,
   reason), at trace time (so once per compiled step); every call reaches `recorded_choices`.
-  Attention written outside `dot_product_attention` (attention dropout's explicit softmax)
-  reports itself here too."""
+  Attention that does not go through `dot_product_attention` (the attention-dropout paths of
+  `tfx.nn.Attention` and of XLNet) reports itself here too."""
   for chosen in _RECORDERS:
     chosen.append((impl, why))
   if (impl, why) not in _LOGGED:

@@ -43,7 +43,7 @@ def block_length(t: int, blocks: tuple[int, ...] = BLOCKS) -> int | None:
 def unsupported(q: jax.Array, k: jax.Array, mask, bias, *, blocks: tuple[int, ...] = BLOCKS) -> str | None:
   """Why a segment-id kernel with these block lengths (this module's, or splash's on TPU) cannot
   compute this attention (a short reason), or None if it can."""
-  from tfx.ops.attention import SegmentMask  # noqa: PLC0415  (attention imports this module)
+  from tfx.ops.masks import SegmentMask  # noqa: PLC0415
 
   if not isinstance(mask, SegmentMask):
     return "it needs the segment-id self-attention mask of a family; this one is a dense mask"
