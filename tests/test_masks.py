@@ -19,14 +19,15 @@ def one_segment_ids(rng, b: int, t: int) -> np.ndarray:
   return (np.arange(t)[None, :] < lengths[:, None]).astype(np.int32)
 
 
-@pytest.mark.parametrize("kind", ["self", "causal", "cross"])
+@pytest.mark.parametrize("kind", ["self", "causal", "cross", "causal_cross"])
 def test_length_mask_is_the_segment_mask_of_one_segment_rows(kind):
   rng = np.random.default_rng(0)
   q_ids = jnp.asarray(one_segment_ids(rng, 6, 10))
-  k_ids = jnp.asarray(one_segment_ids(rng, 6, 7)) if kind == "cross" else None
-  causal = kind == "causal"
+  k_ids = jnp.asarray(one_segment_ids(rng, 6, 7)) if "cross" in kind else None
+  causal = kind.startswith("causal")
   want = {"self": lambda: ops.segment_mask(q_ids), "causal": lambda: ops.decoder_mask(q_ids),
-          "cross": lambda: ops.segment_mask(q_ids, k_ids)}[kind]()  # [b, 1, t, s]
+          "cross": lambda: ops.segment_mask(q_ids, k_ids),
+          "causal_cross": lambda: ops.segment_mask(q_ids, k_ids) & ops.causal_mask(10, 7)}[kind]()  # [b, 1, t, s]
   lengths = ops.rows_mask(q_ids, k_ids, causal=causal, lengths=True)
   assert isinstance(lengths, ops.LengthMask) and lengths.causal == causal
   np.testing.assert_array_equal(lengths.dense(), want)

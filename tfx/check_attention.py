@@ -47,7 +47,7 @@ class Case:
   v: jax.Array
   mask: Any  # ops.SegmentMask, ops.LengthMask or [b, 1, t, s] bool
   cotangent: jax.Array  # [b, t, h, d] float32
-  bias: jax.Array | None = None  # [1, h, t, s] float32 (T5's relative position bias)
+  bias: jax.Array | None = None  # [1, h, t, s] float32 (T5's) or [b, h, t, s] in q's dtype (XLNet's)
 
 
 def _packed(rng: np.random.Generator, b: int, t: int, *, documents: int, padding: int) -> tuple[jax.Array, jax.Array]:

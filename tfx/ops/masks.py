@@ -104,8 +104,6 @@ def self_attention_mask(segment_ids: jax.Array, *, causal: bool, implementation:
   return mask if implementation in SEGMENT_ID_KERNELS else mask.prebuilt()
 
 
-
-
 def rows_attend(mask: jax.Array) -> jax.Array:
   """[b, h|1, t]: whether each query row may attend at least one key."""
   return jnp.any(mask, axis=-1)
@@ -173,9 +171,10 @@ def rows_mask(q_segment_ids: jax.Array, k_segment_ids: jax.Array | None = None, 
   [b, 1, t, s] array, built here once for every layer (`segment_mask`; causal: a prebuilt
   `SegmentMask`, whose flag cuDNN reads)."""
   if not lengths:
-    if k_segment_ids is not None:
-      return segment_mask(q_segment_ids, k_segment_ids)
-    return SegmentMask(q_segment_ids, causal=True).prebuilt() if causal else segment_mask(q_segment_ids)
+    if k_segment_ids is None:
+      return SegmentMask(q_segment_ids, causal=True).prebuilt() if causal else segment_mask(q_segment_ids)
+    mask = segment_mask(q_segment_ids, k_segment_ids)  # [b, 1, t, s]
+    return mask & causal_mask(q_segment_ids.shape[1], k_segment_ids.shape[1]) if causal else mask
   k_segment_ids = q_segment_ids if k_segment_ids is None else k_segment_ids
   count = lambda ids: jnp.sum(ids > 0, axis=1, dtype=jnp.int32)  # [b]
   return LengthMask(count(q_segment_ids), count(k_segment_ids), (q_segment_ids.shape[1], k_segment_ids.shape[1]),
