@@ -70,11 +70,19 @@ bench-peer: $(PEER_VENV)/.installed
 	JAX_PLATFORMS=cpu $(PEER_VENV)/bin/python benchmarks/hf_flax/bench_peer.py $(ARGS)
 
 # The wheels benchmarks/gpu/session.sh unpacks on a lent GPU machine, whose image has jax, flax,
-# optax, orbax and sentencepiece but not ml-collections (pure Python; no network there). Carry
-# benchmarks/gpu/wheels with the call.
+# optax, orbax and sentencepiece but not ml-collections (pure Python; no network there), and, for
+# its `peer` step only, transformers 4.57.6 with the imports it needs beyond that image (the
+# versions benchmarks/.venv-peer resolved on 2026-11-28; built for the image's CPython 3.12 on
+# x86-64). Carry benchmarks/gpu/wheels (and benchmarks/gpu/peer_wheels for `peer`) with the call.
+PEER_WHEELS = transformers==4.57.6 huggingface-hub==0.36.2 tokenizers==0.22.2 safetensors==0.8.0 \
+	regex==2026.11.19 filelock==4.3.1 fsspec==2026.6.0 requests==2.34.2 urllib3==2.8.0 idna==3.20 \
+	certifi==2026.10.19.post1 charset-normalizer==3.5.3 tqdm==4.70.1 packaging==26.4
 gpu-wheels:
-	mkdir -p benchmarks/gpu/wheels
+	mkdir -p benchmarks/gpu/wheels benchmarks/gpu/peer_wheels
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d benchmarks/gpu/wheels "ml-collections==1.1.0"
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --abi cp312 --abi abi3 --abi none --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform any -d benchmarks/gpu/peer_wheels $(PEER_WHEELS)
 
 # libtpu beside the venv, not in it (there jax would look for a TPU at every start), for the train
 # steps compiled for a TPU slice on this machine, which has none (tfx/bench_lower.py; a test uses

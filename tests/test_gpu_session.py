@@ -15,38 +15,51 @@ from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
 
+# A module that the image lacks: None in sys.modules (an import of it fails, and
+# importlib.util.find_spec answers None, as transformers' availability checks expect).
 BLOCKER = '''
 import sys
-class _Missing:
-  def find_spec(self, name, path=None, target=None):
-    if name.split(".")[0] in {"grain", "datasets", "tensorboardX", "gcsfs"}:
-      raise ImportError(name + " is not on the device image")
-sys.meta_path.insert(0, _Missing())
+sys.modules.update(dict.fromkeys(("grain", "datasets", "tensorboardX", "gcsfs")))
 '''
+# Every step but `peer`, which needs transformers 4.57.6 (not in tfx's environment: its own test
+# below runs it in benchmarks/.venv-peer where that exists).
+STEPS = ["env", "attention", "suite", "t5_128", "t5_128u", "scanned", "kernels", "loss_chunk", "profile", "bias",
+         "xla_flags", "baseline"]
+PEER_PYTHON = os.path.join(ROOT, "benchmarks", ".venv-peer", "bin", "python")
+
+
+def _pack(package: str, wheel) -> None:
+  """A wheel (a zip) of the installed `package` directory."""
+  with zipfile.ZipFile(wheel, "w") as z:
+    for folder, _, files in os.walk(package):
+      for name in files:
+        path = os.path.join(folder, name)
+        z.write(path, os.path.relpath(path, os.path.dirname(package)))
+
+
+def _device_image(tmp_path):
+  """(wheels folder, blocker folder): the device image's view (see the module docstring)."""
+  wheels, blocker = tmp_path / "wheels", tmp_path / "blocker"
+  wheels.mkdir()
+  blocker.mkdir()
+  (blocker / "sitecustomize.py").write_text(BLOCKER)
+  return wheels, blocker
 
 
 def test_session_runs_every_step_and_writes_its_results(tmp_path):
   import ml_collections
 
-  wheels, blocker, out = tmp_path / "wheels", tmp_path / "blocker", tmp_path / "out"
-  wheels.mkdir()
-  blocker.mkdir()
-  (blocker / "sitecustomize.py").write_text(BLOCKER)
+  (wheels, blocker), out = _device_image(tmp_path), tmp_path / "out"
   package = os.path.dirname(ml_collections.__file__)
-  with zipfile.ZipFile(wheels / "ml_collections-0-py3-none-any.whl", "w") as z:  # a wheel is a zip
-    for folder, _, files in os.walk(package):
-      for name in files:
-        path = os.path.join(folder, name)
-        z.write(path, os.path.relpath(path, os.path.dirname(package)))
+  _pack(package, wheels / "ml_collections-0-py3-none-any.whl")
   env = dict(os.environ, PYTHON=sys.executable, TFX_GPU_TINY="1", TFX_GPU_WHEELS=str(wheels),
              PYTHONPATH=str(blocker), JAX_PLATFORMS="cpu",
              TFX_GPU_BASELINE=ROOT)  # the "older tree" is this one
-  proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu", "session.sh"), str(out)], env=env,
+  proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu", "session.sh"), str(out), *STEPS], env=env,
                         capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-2000:]
   summary = (out / "summary.txt").read_text().splitlines()
-  assert [line.split()[0] for line in summary] == ["env", "attention", "suite", "t5_128", "t5_128u", "scanned",
-                                                   "kernels", "loss_chunk", "profile", "bias", "xla_flags", "baseline"]
+  assert [line.split()[0] for line in summary] == STEPS
   assert all(line.split()[1] == "rc=0" for line in summary), summary
   assert proc.stdout.rstrip().endswith(summary[-1])  # the summary is printed last
   env_log = (out / "env.log").read_text()
@@ -89,6 +102,30 @@ def test_session_runs_every_step_and_writes_its_results(tmp_path):
   profiled = json.loads((out / "profile.json").read_text())
   assert all(m["profile"]["busy_ms_per_step"] > 0 for m in profiled["models"])
   assert sorted(p.name for p in (out / "profile").iterdir()) == sorted(m["name"] for m in profiled["models"])
+
+
+@pytest.mark.skipif(not os.path.exists(PEER_PYTHON), reason="no benchmarks/.venv-peer (make bench-peer creates it)")
+def test_session_peer_step_compares_with_hugging_face_from_carried_wheels(tmp_path):
+  """The `peer` step at toy sizes in bfloat16, with transformers unpacked from a carried wheel in
+  front of the one installed (as on the device, whose image has none)."""
+  (wheels, blocker), out = _device_image(tmp_path), tmp_path / "out"
+  peer_wheels = tmp_path / "peer_wheels"
+  peer_wheels.mkdir()
+  found = subprocess.run([PEER_PYTHON, "-c", "import os, transformers; print(os.path.dirname(transformers.__file__))"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+  _pack(found, peer_wheels / "transformers-0-py3-none-any.whl")
+  env = dict(os.environ, PYTHON=PEER_PYTHON, TFX_GPU_TINY="1", TFX_GPU_WHEELS=str(wheels),
+             TFX_GPU_PEER_WHEELS=str(peer_wheels), PYTHONPATH=str(blocker), JAX_PLATFORMS="cpu")
+  proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu", "session.sh"), str(out), "peer"], env=env,
+                        capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert [line.split()[:2] for line in (out / "summary.txt").read_text().splitlines()] == [["peer", "rc=0"]]
+  log = (out / "peer.log").read_text()
+  assert "transformers 4.57.6 from " in log and found not in log  # the unpacked wheel came first
+  rows = json.loads((out / "peer.json").read_text())
+  assert [(r["model"], r["size"], r["dtype"]) for r in rows] == [("gpt2", "small", "bfloat16"), ("t5", "small", "bfloat16")]
+  assert all(r["step_s_tfx"] > 0 and r["step_s_hf"] > 0 and r["gflop_tfx"] > 0 for r in rows)
+  assert all(abs(r["loss_tfx"] - r["loss_hf"]) <= 5e-3 * r["loss_hf"] for r in rows)
 
 
 def test_the_baseline_step_needs_an_older_tree(tmp_path):

@@ -35,6 +35,12 @@
 #                its program against this one's on the same machine
 #   profile      three steps of each suite model traced (OUT/profile/<model>) and their   300 s
 #                kernels summed by kind (python -m tfx.bench_profile)
+#   peer         tfx against Hugging Face's Flax GPT-2, BERT and T5 on the GPU, side by   330 s
+#                side (benchmarks/hf_flax/bench_peer.py: bf16, the `base` size, tfx's
+#                layers unrolled as in the suite; OUT/peer.json). transformers 4.57.6 and
+#                its imports travel as wheels of their own (`make gpu-wheels` puts them in
+#                benchmarks/gpu/peer_wheels, or the folder in TFX_GPU_PEER_WHEELS), unpacked
+#                for this step only
 # The batch is fixed (32 rows) rather than searched: the suite's search compiles each model up to
 # seven times, more than one device session holds. 32 rows fit an H100 with room: compiled for one
 # here (`make gpu-compile`), every model's step at 64 rows fits (XLNet's the largest, 57 GiB) and
@@ -56,7 +62,7 @@ set -u
 out=$1
 shift
 steps=("$@")
-all_steps=(env attention suite t5_128 t5_128u scanned kernels loss_chunk profile bias xla_flags baseline)
+all_steps=(env attention suite t5_128 t5_128u scanned kernels loss_chunk profile bias xla_flags baseline peer)
 [ ${#steps[@]} -gt 0 ] || steps=("${all_steps[@]}")
 for step in "${steps[@]}"; do
   [[ " ${all_steps[*]} " == *" $step "* ]] || { echo "unknown step $step (${all_steps[*]})" >&2; exit 2; }
@@ -83,9 +89,18 @@ for wheel in "${TFX_GPU_WHEELS:-benchmarks/gpu/wheels}"/*.whl; do
 done
 outer_path=${PYTHONPATH:-}
 export PYTHONPATH="$PWD:$deps${outer_path:+:$outer_path}"
+peer_path=$PYTHONPATH
+if [[ " ${steps[*]} " == *" peer "* ]]; then  # the peer step's own imports, after the other wheels
+  mkdir "$deps/peer"
+  for wheel in "${TFX_GPU_PEER_WHEELS:-benchmarks/gpu/peer_wheels}"/*.whl; do
+    [ -e "$wheel" ] && "$py" -m zipfile -e "$wheel" "$deps/peer"
+  done
+  peer_path="$PYTHONPATH:$deps/peer"
+fi
 
 size=(--batch 32)
 t5=(--batch 128)
+peer=(--dtype bfloat16 --sizes base --reps 10 --compiles 1 --tfx-override=--config.model.scan_unroll=0)
 check=()
 bias=()
 if [ -n "${TFX_GPU_TINY:-}" ]; then
@@ -93,6 +108,7 @@ if [ -n "${TFX_GPU_TINY:-}" ]; then
   size=(--tiny --batch 2 --steps 2 --warmup 1)
   t5=(--batch 4)
   check=(--length 32)
+  peer=(--dtype bfloat16 --models gpt2,t5 --sizes small --reps 2 --compiles 1)
 fi
 
 run() {  # run NAME LIMIT_SECONDS COMMAND...
@@ -140,6 +156,8 @@ print(\"ml_collections from\", ml_collections.__file__)'
                    i=$((i + 1)); echo "== XLA_FLAGS=${XLA_FLAGS:-} $flag"
                    XLA_FLAGS="${XLA_FLAGS:-} $flag" "$@" --json "$0/xla_flags_$i.json" || exit
                  done' "$out" "${bench[@]}" --only gpt2_small --skip-depth ;;
+    peer) run peer 330 env PYTHONPATH="$peer_path" "$py" benchmarks/hf_flax/bench_peer.py "${peer[@]}" \
+            --json "$out/peer.json" ;;
     baseline) run baseline 240 env PYTHONPATH="$base:$deps${outer_path:+:$outer_path}" \
                 bash -c 'cd "$0" && exec "$@"' "$base" \
                 "${bench[@]}" --skip-depth --json "$out/baseline.json" ;;

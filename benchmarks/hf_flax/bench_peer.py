@@ -1,13 +1,19 @@
-"""tfx against Hugging Face's Flax models, side by side in one process (CPU, fp32, one device).
+"""tfx against Hugging Face's Flax models, side by side in one process on one device.
 
-    make bench-peer                                  # creates benchmarks/.venv-peer and runs this
+    make bench-peer                                  # creates benchmarks/.venv-peer and runs this (CPU)
     benchmarks/.venv-peer/bin/python benchmarks/hf_flax/bench_peer.py [--models gpt2,bert,t5]
-        [--sizes small,medium,deep] [--reps 10] [--json out.json]
+        [--sizes small,medium,deep,base] [--dtype float32|bfloat16] [--reps 10] [--compiles 3]
+        [--json out.json]
+
+It runs on the first device JAX finds: `make bench-peer` pins it to the CPU (float32, the README's
+table); on a GPU, `--dtype bfloat16 --sizes base` (bf16 compute, float32 weights and optimizer on
+both sides; `benchmarks/gpu/session.sh`'s `peer` step).
 
 For each model and size it builds the model in tfx from a config, exports tfx's initial weights
 with tfx's own converter (`tfx.convert.to_hf`: config.json + model.safetensors) and loads them into
 the HF Flax class (`from_pretrained(..., from_pt=True)` reads the safetensors without torch), so
-both sides compute the same function: the first step's losses must agree (it stops otherwise).
+both sides compute the same function: the first step's losses must agree (it stops otherwise;
+in bfloat16 to 0.5%: the two sides round differently, in float32 to 1e-4).
 
 Both sides run a full training step, jitted with the state donated: the objective's input
 transform (tfx's own, on both sides, with the same key: causal-LM shift, BERT masking at 15%, T5
@@ -19,9 +25,10 @@ Reported per model and size (ratio = tfx / HF; < 1 means tfx is faster or smalle
   step      median wall time of `--reps` steps, tfx and HF interleaved step by step; the ratio is
             the median of the per-step ratios, with a 95% bootstrap interval of it
   temp      XLA's compiled temporary memory (memory_analysis().temp_size_in_bytes)
-  compile   lower + compile of a fresh jit (median of 3, interleaved)
-  GFLOP     XLA's cost analysis of the compiled step. It counts a while loop's body once, so
-            tfx's (scanned layers) is taken from the same step with model.scan_layers=False.
+  compile   lower + compile of a fresh jit (median of `--compiles`, interleaved)
+  GFLOP     XLA's cost analysis of the compiled step. It counts a while loop's body once, so for
+            a step with a loop (scanned layers) tfx's is taken from the same step with
+            model.scan_layers=False.
 
 The machine these numbers come from may be shared: timings are interleaved and medians, and a
 run repeated later can move by 10-20 %.
@@ -56,12 +63,16 @@ MODELS = {
 }
 # size -> (layers, d_model, heads, d_ff, seq_len, batch, vocab). `deep` is `medium` at GPT-2-small's
 # depth: what a scanned stack (tfx) and unrolled layers (HF) do to compile time and memory as
-# layers are added.
+# layers are added. `base` is GPT-2-small / BERT-base / T5-base's width at rows of 512: a GPU's size.
 SIZES = {
     "small": (2, 128, 4, 512, 128, 8, 8192),
     "medium": (4, 256, 4, 1024, 256, 8, 8192),
     "deep": (12, 256, 4, 1024, 256, 8, 8192),
+    "base": (12, 768, 12, 3072, 512, 16, 32768),
 }
+# dtype -> the loss agreement the first step must reach (relative): bf16 compute rounds each
+# side's matmuls and norms in its own order.
+LOSS_RTOL = {"float32": 1e-4, "bfloat16": 5e-3}
 
 
 def shim_flax_t5() -> None:
@@ -146,7 +157,12 @@ def compile_stats(jitted, *args):
   return compiled, seconds, float(cost.get("flops", 0.0)), int(compiled.memory_analysis().temp_size_in_bytes)
 
 
-def run_one(model: str, size: str, reps: int, log) -> dict:
+def has_loop(compiled) -> bool:
+  """Whether the compiled program has a while loop, whose body XLA's cost analysis counts once."""
+  return any(" while(" in line for line in compiled.as_text().splitlines())
+
+
+def run_one(model: str, size: str, reps: int, log, *, dtype: str = "float32", compiles: int = 3) -> dict:
   import transformers
 
   config = tfx_config(model, size)
@@ -160,14 +176,14 @@ def run_one(model: str, size: str, reps: int, log) -> dict:
   with tempfile.TemporaryDirectory() as tmp:
     arch = to_hf(config, jax.device_get(state.params), tmp)
     cls = getattr(transformers, "Flax" + arch)
-    hf_model = cls.from_pretrained(tmp, from_pt=True, dtype=jnp.float32)
+    hf_model = cls.from_pretrained(tmp, from_pt=True, dtype=jnp.dtype(dtype))  # compute dtype; fp32 weights
   hf_params = jax.tree.map(jnp.asarray, hf_model.params)
   copy = lambda x: jnp.array(x, copy=True)  # both states are donated: share no buffer
   hf_state = (hf_params, exp.tx.init(hf_params), copy(state.rng), copy(state.step))
 
   # Compile times: fresh jits, interleaved; keep the last compiled ones.
   tfx_compile, hf_compile = [], []
-  for _ in range(3):
+  for _ in range(compiles):
     with parallel.context(exp.mesh):
       tfx_step = make_train_step(exp, shardings).jitted  # (state, batch, frozen inputs: None here)
       tfx_c, s, tfx_flops, tfx_temp = compile_stats(tfx_step, state, batch, None)
@@ -175,18 +191,19 @@ def run_one(model: str, size: str, reps: int, log) -> dict:
     hf_step = make_hf_step(model, hf_model, exp.objective, exp.tx)
     hf_c, s, hf_flops, hf_temp = compile_stats(hf_step, hf_state, batch)
     hf_compile.append(s)
-  unrolled = bench.build_experiment(tfx_config(model, size, scan=False))
-  abstract, unrolled_shardings = state_shardings(unrolled.model, unrolled.tx, unrolled.mesh, seq_len,
-                                                 unrolled.objective, batch_size)
-  with parallel.context(unrolled.mesh):
-    _, _, tfx_flops, _ = compile_stats(make_train_step(unrolled, unrolled_shardings).jitted, abstract, batch, None)
+  if has_loop(tfx_c):  # the layers' loop: count them from the same step unscanned
+    unrolled = bench.build_experiment(tfx_config(model, size, scan=False))
+    abstract, unrolled_shardings = state_shardings(unrolled.model, unrolled.tx, unrolled.mesh, seq_len,
+                                                   unrolled.objective, batch_size)
+    with parallel.context(unrolled.mesh):
+      _, _, tfx_flops, _ = compile_stats(make_train_step(unrolled, unrolled_shardings).jitted, abstract, batch, None)
 
   # Same function: the first step's losses (before any update).
   with parallel.context(exp.mesh):
     state, metrics = tfx_c(state, batch, None)
   hf_state, hf_loss = hf_c(hf_state, batch)
   tfx_loss, hf_loss = float(metrics["loss"]), float(hf_loss)
-  if not np.isclose(tfx_loss, hf_loss, rtol=1e-4, atol=1e-5):
+  if not np.isclose(tfx_loss, hf_loss, rtol=LOSS_RTOL[dtype], atol=1e-5):
     raise SystemExit(f"{model}/{size}: tfx loss {tfx_loss} != HF loss {hf_loss}: not the same function")
   log(f"  {model}/{size}: losses agree (tfx {tfx_loss:.6f}, HF {hf_loss:.6f}); timing {reps} interleaved steps")
 
@@ -204,7 +221,8 @@ def run_one(model: str, size: str, reps: int, log) -> dict:
   ratio, low, high = paired_ratio(tfx_times, hf_times)
   return {
       "model": model, "size": size, "hf_class": cls.__name__, "objective": config.objective.name,
-      "shape": f"{layers}L d{d} h{heads} ff{ff}, {b}x{seq}, vocab {vocab}",
+      "shape": f"{layers}L d{d} h{heads} ff{ff}, {b}x{seq}, vocab {vocab}" + ("" if dtype == "float32" else f", {dtype}"),
+      "device_kind": jax.devices()[0].device_kind, "dtype": dtype,
       "loss_tfx": tfx_loss, "loss_hf": hf_loss,
       "step_s_tfx": statistics.median(tfx_times), "step_s_hf": statistics.median(hf_times),
       "step_ratio": ratio, "step_ratio_ci95": [low, high], "step_s_all_tfx": tfx_times, "step_s_all_hf": hf_times,
@@ -246,23 +264,31 @@ def main(argv=None) -> None:
   parser.add_argument("--models", default="gpt2,bert,t5")
   parser.add_argument("--sizes", default="small,medium,deep")
   parser.add_argument("--reps", type=int, default=10, help="timed steps per side (interleaved)")
+  parser.add_argument("--compiles", type=int, default=3, help="fresh compiles per side (interleaved; median)")
+  parser.add_argument("--dtype", default="float32", choices=sorted(LOSS_RTOL),
+                      help="compute dtype of both sides (weights and optimizer stay float32)")
   parser.add_argument("--json", default=None)
   parser.add_argument("--tfx-override", action="append", default=[],
                       help="a tfx config override for the tfx side, e.g. --tfx-override=--config.model.scan_layers=False")
   args = parser.parse_args(argv)
+  if args.dtype != "float32":
+    EXTRA_OVERRIDES.append(f"--config.model.dtype={args.dtype}")
   EXTRA_OVERRIDES.extend(args.tfx_override)
   shim_flax_t5()
+  import transformers
+
   log = lambda s: print(s, file=sys.stderr, flush=True)
-  log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs")
+  log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs; "
+      f"transformers {transformers.__version__} from {os.path.dirname(transformers.__file__)}")
   results = []
   for model in args.models.split(","):
     for size in args.sizes.split(","):
-      results.append(run_one(model, size, args.reps, log))
+      results.append(run_one(model, size, args.reps, log, dtype=args.dtype, compiles=args.compiles))
       log(table(results[-1:]).splitlines()[-1])
+      if args.json:  # after every model: a run stopped at a time limit keeps the finished ones
+        with open(args.json, "w") as f:
+          json.dump(results, f, indent=2)
   print(table(results))
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -37,10 +37,6 @@ from tfx.convert import to_hf
 from tfx.ops import target
 from tfx.steps import init_state, state_shardings
 
-# GPT-2-small / BERT-base / T5-base widths at rows of 512, 16 rows: what a GPU trains.
-GPU_SIZES = {"base": (12, 768, 12, 3072, 512, 16, 32768)}
-
-
 def abstract_on(tree, device):
   """The tree's arrays as ShapeDtypeStructs placed on one (compile-only) device."""
   sharding = jax.sharding.SingleDeviceSharding(device)
@@ -82,7 +78,7 @@ def run_one(model: str, size: str, devices: list, log) -> dict:
     seconds, hf_temp = compile_seconds_and_temp(make_hf_step(model, hf_model, exp.objective, exp.tx), hf_state,
                                                 hf_batch)
     hf_times.append(seconds)
-  layers, d, heads, ff, seq, b, vocab = (GPU_SIZES | SIZES)[size]
+  layers, d, heads, ff, seq, b, vocab = SIZES[size]
   result = {"model": model, "size": size, "hf_class": cls.__name__, "device_kind": devices[0].device_kind,
             "shape": f"{layers}L d{d} h{heads} ff{ff}, {b}x{seq}, vocab {vocab}, bf16",
             "compile_s_tfx": statistics.median(tfx_times), "compile_s_hf": statistics.median(hf_times),
@@ -101,14 +97,13 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--topology", default="h100", help="h100 or h200 (tfx.bench_lower.GPU_PARTS)")
   parser.add_argument("--models", default="gpt2,bert,t5")
-  parser.add_argument("--sizes", default="base", help=f"of {', '.join(GPU_SIZES | SIZES)}")
+  parser.add_argument("--sizes", default="base", help=f"of {', '.join(SIZES)}")
   parser.add_argument("--json", default=None)
   parser.add_argument("--tfx-override", action="append", default=[],
                       help="a tfx config override for the tfx side, e.g. --tfx-override=--config.model.attention=xla")
   args = parser.parse_args(argv)
   if bench_lower.topology_platform(args.topology) != "gpu":
     parser.error(f"--topology {args.topology}: name a GPU ({', '.join(bench_lower.GPU_PARTS)})")
-  SIZES.update(GPU_SIZES)
   bench_peer.EXTRA_OVERRIDES.extend(["--config.model.dtype=bfloat16", *args.tfx_override])  # bf16, fp32 weights
   shim_flax_t5()
   devices = bench_lower.topology_devices(args.topology)[:1]
