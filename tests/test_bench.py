@@ -317,6 +317,16 @@ def test_peer_bench_ratio_is_paired_with_an_interval():
   assert "| 100 / 200 | 0.50x (0.45-0.55) | 1.0 / 2.0 | 0.50x |" in peer.table([row])
 
 
+def test_peer_bench_counts_flops_again_only_for_a_loop():
+  """XLA's cost analysis counts a while loop's body once: the peer benchmark compiles tfx's step
+  unscanned for its FLOPs only when the compiled step has a loop (a scan that XLA keeps)."""
+  peer = _bench_peer()
+  x = jax.numpy.ones((8, 8))
+  looped = jax.jit(lambda x: jax.lax.fori_loop(0, x[0, 0].astype(int), lambda i, y: y @ y, x)).lower(x).compile()
+  straight = jax.jit(lambda x: (x @ x) @ x).lower(x).compile()
+  assert peer.has_loop(looped) and not peer.has_loop(straight)
+
+
 def test_profile_traces_steps_and_sums_kernels_by_kind(tmp_path):
   from tfx import bench_profile
 
