@@ -251,6 +251,38 @@ def test_dense_general_is_the_contraction_of_its_trailing_dims(x_shape, in_shape
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), got, want)
 
 
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_self_attention_projects_q_k_v_in_one_matmul_with_the_same_result(use_bias):
+  """Self-attention (the same array for queries and keys) runs the query, key and value
+  projections as one matmul over their stacked kernels; the parameters stay three DenseGenerals,
+  and the output and every gradient equal the three projections run apart (cross-attention's
+  path, taken here by handing it an equal but different array)."""
+  import dataclasses
+
+  from tfx.nn.attention import Attention
+
+  cfg = dataclasses.replace(make_model(f"--config.model.use_bias={use_bias}", shapes_only=True)[0].cfg, remat="none")
+  attention = Attention(cfg)
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.normal(size=(2, 8, cfg.d_model)), jnp.float32)
+  mask = jnp.tril(jnp.ones((8, 8), bool))[None, None]
+  params = nn.meta.unbox(attention.init(jax.random.key(0), x, x, mask))["params"]
+  assert sorted(params) == ["key", "out", "query", "value"] and ("bias" in params["query"]) == use_bias
+  params = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
+  cotangent = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+
+  def loss(x, p, fused):
+    kv = x if fused else x + 0.0  # an equal array that is not the same one: three matmuls
+    return jnp.sum(attention.apply({"params": p}, x, kv, mask) * cotangent)
+
+  fused_loss, fused_grads = jax.value_and_grad(loss, argnums=(0, 1))(x, params, True)
+  apart_loss, apart_grads = jax.value_and_grad(loss, argnums=(0, 1))(x, params, False)
+  np.testing.assert_allclose(fused_loss, apart_loss, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), fused_grads, apart_grads)
+  jaxpr = str(jax.make_jaxpr(lambda x: attention.apply({"params": params}, x, x, mask))(x))
+  assert jaxpr.count("dot_general") == 4  # q, k and v together, q.k, p.v, the output projection
+
+
 FUSED_LOSS_CASES = {
     "gpt2_tied": ("configs/tiny.py", ()),
     "decoder_untied_bf16": ("configs/tiny.py", ("--config.model.tie_embeddings=false", "--config.model.dtype=bfloat16")),

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from tfx import ops
-from tfx.nn.layers import DenseGeneral, ModelConfig, constrain
+from tfx.nn.layers import DenseGeneral, ModelConfig, constrain, flat_matmul
 
 
 class Attention(nn.Module):
@@ -50,11 +50,14 @@ class Attention(nn.Module):
     `ops.SegmentMask`); returns [b, t, e]."""
     cfg = self.cfg
     h, d, e = cfg.num_heads, cfg.head_dim, cfg.d_model
-    proj = lambda axes, name: DenseGeneral(
-        (e,), (h, d), axes, use_bias=cfg.use_bias, init_std=cfg.init_std, dtype=cfg.compute_dtype, name=name)
-    q = proj(("embed", "heads", "kv"), "query")(x_q)  # [b, t, h, d]
-    k = proj(("embed", "heads", "kv"), "key")(x_kv)  # [b, s, h, d]
-    v = proj(("embed", "heads", "kv"), "value")(x_kv)  # [b, s, h, d]
+    proj = lambda name: DenseGeneral(
+        (e,), (h, d), ("embed", "heads", "kv"), use_bias=cfg.use_bias, init_std=cfg.init_std, dtype=cfg.compute_dtype,
+        name=name)
+    if x_q is x_kv:  # self-attention: one matmul for the three projections
+      q, k, v = _fused_projections([proj(name) for name in ("query", "key", "value")], x_q, cfg.compute_dtype)
+    else:
+      q = proj("query")(x_q)  # [b, t, h, d]
+      k, v = proj("key")(x_kv), proj("value")(x_kv)  # [b, s, h, d]
     if self.use_rotary:
       q = ops.rotary(q, q_positions, cfg.rope_base)
       k = ops.rotary(k, kv_positions, cfg.rope_base)
@@ -99,6 +102,23 @@ class Attention(nn.Module):
     causal = jnp.arange(s)[None, :] <= q_index[:, None]  # [t, s]
     mask = causal[None, None] & ops.segment_mask(q_segment_ids, cached_seg.value)  # [b, 1, t, s]
     return cached_k.value, cached_v.value, mask
+
+
+def _fused_projections(projections: list[DenseGeneral], x: jax.Array, dtype) -> list[jax.Array]:
+  """x [b, t, e] through the `DenseGeneral`s (e -> [h, d] each) as one matmul: [b, t, h, d] each.
+
+  The kernels stay separate parameters; stacked on an axis after `heads` ([e, h, n, d]), a
+  heads-sharded (tensor-parallel) kernel stays sharded on the flattened output dim. One matmul
+  reads x once, and in the backward pass the input gradient is one matmul over the n projections'
+  output gradients together, instead of n matmuls whose products are then summed.
+  """
+  weights = [p(None, weights_only=True) for p in projections]
+  kernel = jnp.stack([w[0] for w in weights], axis=2).astype(dtype)  # [e, h, n, d]
+  bias = None if weights[0][1] is None else jnp.stack([w[1] for w in weights], axis=1)  # [h, n, d]
+  y = flat_matmul(x.astype(dtype), kernel, 1)  # [b, t, h, n, d]
+  if bias is not None:
+    y = y + bias.astype(dtype)
+  return [y[..., i, :] for i in range(len(projections))]
 
 
 def _reference_with_dropout(q, k, v, mask, bias, scale, rate, rng):
