@@ -2,7 +2,8 @@
 
 The module projects, applies rotary positions if asked, and calls the pure
 `tfx.ops.dot_product_attention` with the mask it is given. It knows nothing about causality,
-packing or objectives: those are in the mask.
+packing or objectives: those are in the mask. A self-attention (queries, keys and values from the
+same array) runs its three projections as one matmul (`_fused_projections`).
 
 KV cache (decode=True): the cache holds `cached_key`/`cached_value` [b, s, k, d] for the
 maximum length s, `cached_segment` [b, s] (the segment id of each cached token, 0 = empty or
