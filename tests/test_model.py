@@ -252,35 +252,44 @@ def test_dense_general_is_the_contraction_of_its_trailing_dims(x_shape, in_shape
 
 
 @pytest.mark.parametrize("use_bias", [True, False])
-def test_self_attention_projects_q_k_v_in_one_matmul_with_the_same_result(use_bias):
-  """Self-attention (the same array for queries and keys) runs the query, key and value
-  projections as one matmul over their stacked kernels; the parameters stay three DenseGenerals,
-  and the output and every gradient equal the three projections run apart (cross-attention's
-  path, taken here by handing it an equal but different array)."""
+@pytest.mark.parametrize("cross, fuse", [(False, True), (True, True), (False, False)])
+def test_attention_projects_what_shares_an_input_in_one_matmul_with_the_same_result(use_bias, cross, fuse):
+  """A self-attention runs its query, key and value projections as one matmul over their stacked
+  kernels, a cross-attention its key and value (`fuse=False`, a two-stream block's: each on its
+  own); the parameters stay separate DenseGenerals, and the output and every gradient equal the
+  projections written out one by one (einsums around `ops.dot_product_attention`)."""
   import dataclasses
 
+  from tfx import ops
   from tfx.nn.attention import Attention
 
   cfg = dataclasses.replace(make_model(f"--config.model.use_bias={use_bias}", shapes_only=True)[0].cfg, remat="none")
   attention = Attention(cfg)
   rng = np.random.default_rng(3)
   x = jnp.asarray(rng.normal(size=(2, 8, cfg.d_model)), jnp.float32)
-  mask = jnp.tril(jnp.ones((8, 8), bool))[None, None]
-  params = nn.meta.unbox(attention.init(jax.random.key(0), x, x, mask))["params"]
+  y = jnp.asarray(rng.normal(size=(2, 6, cfg.d_model)), jnp.float32) if cross else x
+  mask = jnp.ones((1, 1, 8, 6), bool) if cross else jnp.tril(jnp.ones((8, 8), bool))[None, None]
+  params = nn.meta.unbox(attention.init(jax.random.key(0), x, y, mask))["params"]
   assert sorted(params) == ["key", "out", "query", "value"] and ("bias" in params["query"]) == use_bias
   params = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
   cotangent = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
 
-  def loss(x, p, fused):
-    kv = x if fused else x + 0.0  # an equal array that is not the same one: three matmuls
-    return jnp.sum(attention.apply({"params": p}, x, kv, mask) * cotangent)
+  def by_hand(x, y, p):
+    proj = lambda z, name: jnp.einsum("bte,ehd->bthd", z, p[name]["kernel"]) + p[name].get("bias", 0.0)
+    y = y if cross else x
+    out = ops.dot_product_attention(proj(x, "query"), proj(y, "key"), proj(y, "value"), mask=mask,
+                                    scale=cfg.head_dim**-0.5 if cfg.scale_attention else 1.0, implementation="xla")
+    return jnp.einsum("bthd,hde->bte", out, p["out"]["kernel"]) + p["out"].get("bias", 0.0)
 
-  fused_loss, fused_grads = jax.value_and_grad(loss, argnums=(0, 1))(x, params, True)
-  apart_loss, apart_grads = jax.value_and_grad(loss, argnums=(0, 1))(x, params, False)
-  np.testing.assert_allclose(fused_loss, apart_loss, rtol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), fused_grads, apart_grads)
-  jaxpr = str(jax.make_jaxpr(lambda x: attention.apply({"params": params}, x, x, mask))(x))
-  assert jaxpr.count("dot_general") == 4  # q, k and v together, q.k, p.v, the output projection
+  module = lambda x, y, p: attention.apply({"params": p}, x, y if cross else x, mask, fuse=fuse)
+  loss = lambda f: lambda x, y, p: jnp.sum(f(x, y, p) * cotangent)
+  got_loss, got = jax.value_and_grad(loss(module), argnums=(0, 1, 2))(x, y, params)
+  want_loss, want = jax.value_and_grad(loss(by_hand), argnums=(0, 1, 2))(x, y, params)
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4), got, want)
+  jaxpr = str(jax.make_jaxpr(lambda x, y: module(x, y, params))(x, y))
+  # the fused projections, q.k, p.v and the output projection (+ the query's own, across)
+  assert jaxpr.count("dot_general") == (6 if not fuse else 5 if cross else 4)
 
 
 FUSED_LOSS_CASES = {

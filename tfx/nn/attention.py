@@ -2,8 +2,8 @@
 
 The module projects, applies rotary positions if asked, and calls the pure
 `tfx.ops.dot_product_attention` with the mask it is given. It knows nothing about causality,
-packing or objectives: those are in the mask. A self-attention (queries, keys and values from the
-same array) runs its three projections as one matmul (`_fused_projections`).
+packing or objectives: those are in the mask. The projections of one input run as one matmul
+(`_fused_projections`): q, k and v of a self-attention, k and v of a cross-attention.
 
 KV cache (decode=True): the cache holds `cached_key`/`cached_value` [b, s, k, d] for the
 maximum length s, `cached_segment` [b, s] (the segment id of each cached token, 0 = empty or
@@ -46,19 +46,25 @@ class Attention(nn.Module):
       kv_positions: jax.Array | None = None,
       q_segment_ids: jax.Array | None = None,
       bias: jax.Array | None = None,
+      fuse: bool = True,
   ) -> jax.Array:
     """Attends x_q [b, t, e] over x_kv [b, s, e] with mask [b, 1|h, t, s] (or an
-    `ops.SegmentMask`); returns [b, t, e]."""
+    `ops.SegmentMask`); returns [b, t, e]. `fuse=False` runs every projection on its own: a
+    two-stream block's query stream projects k and v of the content stream's input again, and XLA
+    merges those (forward and backward) with the content stream's only when both are unfused."""
     cfg = self.cfg
     h, d, e = cfg.num_heads, cfg.head_dim, cfg.d_model
     proj = lambda name: DenseGeneral(
         (e,), (h, d), ("embed", "heads", "kv"), use_bias=cfg.use_bias, init_std=cfg.init_std, dtype=cfg.compute_dtype,
         name=name)
-    if x_q is x_kv:  # self-attention: one matmul for the three projections
-      q, k, v = _fused_projections([proj(name) for name in ("query", "key", "value")], x_q, cfg.compute_dtype)
+    projections = [proj(name) for name in ("query", "key", "value")]
+    if not fuse:
+      q, k, v = (p(x) for p, x in zip(projections, (x_q, x_kv, x_kv)))  # [b, t|s, h, d] each
+    elif x_q is x_kv:  # self-attention: one matmul for the three projections, else for k and v
+      q, k, v = _fused_projections(projections, x_q, cfg.compute_dtype)  # [b, t, h, d] each
     else:
-      q = proj("query")(x_q)  # [b, t, h, d]
-      k, v = proj("key")(x_kv), proj("value")(x_kv)  # [b, s, h, d]
+      q = projections[0](x_q)  # [b, t, h, d]
+      k, v = _fused_projections(projections[1:], x_kv, cfg.compute_dtype)  # [b, s, h, d] each
     if self.use_rotary:
       q = ops.rotary(q, q_positions, cfg.rope_base)
       k = ops.rotary(k, kv_positions, cfg.rope_base)

@@ -80,10 +80,15 @@ class Block(nn.Module):
 
     # A sublayer maps (y: its stream's input, kv: the content stream's input, q: None for the
     # content stream or the QueryStream) to the residual update.
+    # Two streams: each projection on its own, so that XLA merges the query stream's k and v with
+    # the content stream's (`Attention`'s `fuse`).
+    fuse = query is None
+
     def self_attention(y, kv, q):
       if q is None:
-        return attn(y, kv, mask, q_positions=positions, kv_positions=positions, q_segment_ids=segment_ids, bias=bias)
-      return attn(y, kv, q.mask, q_positions=q.positions, kv_positions=positions)
+        return attn(y, kv, mask, q_positions=positions, kv_positions=positions, q_segment_ids=segment_ids, bias=bias,
+                    fuse=fuse)
+      return attn(y, kv, q.mask, q_positions=q.positions, kv_positions=positions, fuse=fuse)
 
     sublayers = [self_attention]
     names = ["attention_norm"]
