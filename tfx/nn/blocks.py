@@ -78,12 +78,12 @@ class Block(nn.Module):
     drop = lambda y: nn.Dropout(cfg.dropout)(y, deterministic=self.deterministic)
     attn = Attention(cfg, self.deterministic, self.decode, use_rotary=cfg.position == "rotary", name="attention")
 
-    # A sublayer maps (y: its stream's input, kv: the content stream's input, q: None for the
-    # content stream or the QueryStream) to the residual update.
     # Two streams: each projection on its own, so that XLA merges the query stream's k and v with
     # the content stream's (`Attention`'s `fuse`).
     fuse = query is None
 
+    # A sublayer maps (y: its stream's input, kv: the content stream's input, q: None for the
+    # content stream or the QueryStream) to the residual update.
     def self_attention(y, kv, q):
       if q is None:
         return attn(y, kv, mask, q_positions=positions, kv_positions=positions, q_segment_ids=segment_ids, bias=bias,
