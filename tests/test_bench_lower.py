@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 from tfx import bench, bench_lower
-from tfx.ops import attention, target
+from tfx.ops import attention, masks, target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -126,7 +126,7 @@ def test_cudnn_gets_every_key_for_a_query_row_that_has_none(monkeypatch):
   monkeypatch.setattr(jax.nn, "dot_product_attention", fake_cudnn)
   decoder = jnp.asarray([[1, 1, 2, 2, 0, 0, 0, 0]])  # [b, t]: the last four queries are padding
   encoder = jnp.asarray([[1, 1, 2, 0]])  # [b, s]
-  mask = attention.segment_mask(decoder, encoder)  # [b, 1, t, s]
+  mask = masks.segment_mask(decoder, encoder)  # [b, 1, t, s]
   q = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
   kv = jnp.zeros((1, 4, 2, 64), jnp.bfloat16)
   with target.lowering_for("gpu"), attention.recorded_choices() as chosen:

@@ -5,7 +5,7 @@ Dimension letters used in shapes and einsums throughout tfx:
   b batch, t query length, s key length, h query heads, k key/value heads, d head dim,
   e embed (d_model), f MLP hidden, v vocab, l layers.
 
-The masks (who may attend to whom) are in `tfx.ops.masks`, also importable from here (and `tfx.ops`).
+The masks (who may attend to whom) are in `tfx.ops.masks` (and `tfx.ops`).
 """
 
 import contextlib
@@ -18,21 +18,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from tfx.ops import flash, splash, target
-from tfx.ops.masks import (  # noqa: F401  (the masks stay importable from here, where they were)
-    SEGMENT_ID_KERNELS,
-    LengthMask,
-    SegmentMask,
-    assert_rows_attend,
-    causal_mask,
-    decoder_mask,
-    dense_mask,
-    padding_mask,
-    prefix_lm_mask,
-    rows_attend,
-    rows_mask,
-    segment_mask,
-    self_attention_mask,
-)
+from tfx.ops.masks import SEGMENT_ID_KERNELS, LengthMask, SegmentMask, dense_mask, rows_attend
 
 Implementation = Literal["auto", "xla", "cudnn", "pallas", "splash", "reference"]
 # The kernels that read a packed row's segment ids (`SegmentMask`) instead of a dense mask:
