@@ -216,6 +216,29 @@ def test_cross_entropy_gradient_is_autodiffs_without_a_scatter(dtype):
   assert ("scatter" in jax.jit(jax.grad(ours)).lower(logits).as_text()) == (dtype == jnp.float32)
 
 
+def test_max_and_total_is_one_reduction_giving_the_row_max_and_logsumexp():
+  """The narrow-logits loss reads the logits once in its forward pass: the row max and the sum of
+  exp(x - max) as one variadic reduction, equal to the two-pass values, -inf logits included."""
+  from tfx.ops import losses
+
+  rng = np.random.default_rng(6)
+  x = rng.normal(size=(3, 4, 5003)) * 30  # long rows: XLA splits the reduction into partial pairs
+  x[0, 0, :4000] = -np.inf
+  x[1, 2, 17] = 400.0  # one logit far above the rest
+  x = x.astype(np.float32)
+  top, total = jax.jit(losses._max_and_total)(jnp.asarray(x))
+  np.testing.assert_array_equal(np.asarray(top), x.max(-1))
+  x64 = x.astype(np.float64)
+  want = np.log(np.exp(x64 - x64.max(-1, keepdims=True)).sum(-1))
+  np.testing.assert_allclose(np.log(np.asarray(total, np.float64)), want, rtol=1e-6, atol=1e-6)
+  # the bf16 loss (the hand-written gradient's path) reduces over the vocabulary once, float32 twice
+  targets, weights = jnp.zeros((3, 4), jnp.int32), jnp.ones((3, 4))
+  for dtype, passes in ((jnp.bfloat16, 1), (jnp.float32, 2)):
+    text = jax.jit(lambda l: ops.weighted_cross_entropy(l, targets, weights)[0]).lower(
+        jnp.asarray(x, dtype)).as_text()
+    assert sum("stablehlo.reduce(" in line and "3x4x5003x" in line for line in text.splitlines()) == passes
+
+
 FUSED_CASES = {
     "tied": dict(vocab_major=True, bias=False, z_loss=0.0, chunk=4, dtype=jnp.float32),
     "tied_bias_zloss": dict(vocab_major=True, bias=True, z_loss=1e-2, chunk=5, dtype=jnp.float32),
