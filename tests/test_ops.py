@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from tfx import ops
+from tfx.ops import target
 
 jax.config.update("jax_enable_x64", False)
 
@@ -231,12 +232,18 @@ def test_max_and_total_is_one_reduction_giving_the_row_max_and_logsumexp():
   x64 = x.astype(np.float64)
   want = np.log(np.exp(x64 - x64.max(-1, keepdims=True)).sum(-1))
   np.testing.assert_allclose(np.log(np.asarray(total, np.float64)), want, rtol=1e-6, atol=1e-6)
-  # the bf16 loss (the hand-written gradient's path) reduces over the vocabulary once, float32 twice
+  # traced for a GPU, the bf16 loss (the hand-written gradient's path) reduces over the vocabulary
+  # once; float32 logits, and any on this CPU (where XLA runs a variadic reduction slower), twice
   targets, weights = jnp.zeros((3, 4), jnp.int32), jnp.ones((3, 4))
-  for dtype, passes in ((jnp.bfloat16, 1), (jnp.float32, 2)):
-    text = jax.jit(lambda l: ops.weighted_cross_entropy(l, targets, weights)[0]).lower(
-        jnp.asarray(x, dtype)).as_text()
+  for platform, dtype, passes in (("gpu", jnp.bfloat16, 1), ("gpu", jnp.float32, 2), ("cpu", jnp.bfloat16, 2)):
+    loss = lambda l: ops.weighted_cross_entropy(l, targets, weights)[0]
+    with target.lowering_for(platform):
+      text = jax.jit(loss).lower(jnp.asarray(x, dtype)).as_text()
+      value, grad = jax.value_and_grad(loss)(jnp.asarray(x, dtype))  # runs here: plain XLA ops
     assert sum("stablehlo.reduce(" in line and "3x4x5003x" in line for line in text.splitlines()) == passes
+    want_value, want_grad = jax.value_and_grad(loss)(jnp.asarray(x, dtype))
+    np.testing.assert_allclose(float(value), float(want_value), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(grad, np.float32), np.asarray(want_grad, np.float32))
 
 
 FUSED_CASES = {
@@ -332,11 +339,18 @@ def _norm_by_autodiff(x, scale, bias, eps, centre):
   return y if bias is None else y + bias
 
 
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
 @pytest.mark.parametrize("kind", ["layer_norm", "layer_norm_no_bias", "rms_norm"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_norm_backward_matches_autodiff(kind, dtype):
+def test_norm_backward_matches_autodiff(kind, dtype, platform):
   """ops.layer_norm / rms_norm (hand-written backward): values and the gradients of x, scale and
-  bias equal autodiff through the textbook formula, in float32 and from bf16 inputs."""
+  bias equal autodiff through the textbook formula, in float32 and from bf16 inputs, as traced
+  here and as traced for a GPU (one-pass statistics; plain XLA ops, so it runs here too)."""
+  with target.lowering_for(platform):
+    _check_norm_against_autodiff(kind, dtype)
+
+
+def _check_norm_against_autodiff(kind, dtype):
   k = jax.random.split(jax.random.key(7), 4)
   x = (3.0 * jax.random.normal(k[0], (2, 5, 24)) + 1.5).astype(dtype)
   scale = 1.0 + jax.random.normal(k[1], (24,))
@@ -359,6 +373,29 @@ def test_norm_backward_matches_autodiff(kind, dtype):
   residuals = jax.tree_util.tree_leaves(jax.vjp(ours, x, scale, bias)[1])
   assert [(r.shape, r.dtype) for r in residuals if getattr(r, "shape", None) == x.shape] == [(x.shape, x.dtype)]
 
+
+
+@pytest.mark.parametrize("offset", [0.0, 100.0])
+def test_layer_norm_one_pass_statistics_match_float64(offset):
+  """Traced for a GPU, LayerNorm's mean and variance are one Welford reduction over the row (and
+  the row is read once). Its running mean rounds at the mean's magnitude, so its error grows with
+  |mean| / std: rows of 4099 with unit spread 100 away from zero (beyond a residual stream's
+  usual offset) reduced in XLA:CPU's order, one element after another (the worst order: a GPU
+  runs short per-thread runs combined in a tree), give the mean within 5e-4 (1e-4 measured; the
+  two-pass mean 7e-6) and 1 / std within 1e-5 relative (1e-6 measured) of float64's."""
+  from tfx.ops import norms
+
+  rng = np.random.default_rng(8)
+  x = (offset + rng.normal(size=(3, 2, 4099))).astype(np.float32)
+  x64 = x.astype(np.float64)
+  mean64, var64 = x64.mean(-1, keepdims=True), x64.var(-1, keepdims=True)
+  for one_pass in (False, True):
+    mean, r = jax.jit(lambda v: norms._row_stats(v, 1e-6, True, one_pass))(jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(mean, np.float64), mean64, rtol=0, atol=5e-4)
+    np.testing.assert_allclose(np.asarray(r, np.float64), 1 / np.sqrt(var64 + 1e-6), rtol=1e-5)
+  with target.lowering_for("gpu"):
+    text = jax.jit(lambda v: ops.layer_norm(v, jnp.ones(4099), jnp.zeros(4099))).lower(jnp.asarray(x)).as_text()
+  assert sum("stablehlo.reduce(" in line and "3x2x4099x" in line for line in text.splitlines()) == 1
 
 
 def _np_activation(name, x):
