@@ -251,6 +251,31 @@ def test_dense_general_is_the_contraction_of_its_trailing_dims(x_shape, in_shape
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), got, want)
 
 
+def test_bias_gradient_is_summed_in_float32_whatever_the_compute_dtype():
+  """`add_bias` (every DenseGeneral's bias, the fused projections', XLNet's r_w / r_r / r_s): the
+  value is autodiff's `y + bias.astype(y.dtype)` and so is the gradient of y; the bias's gradient
+  is the float32 sum of the incoming one, where autodiff's bf16 sum is percents off."""
+  from tfx.nn.layers import add_bias
+
+  rng = np.random.default_rng(11)
+  bias = jnp.asarray(rng.normal(size=(4, 6)), jnp.float32)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    y = jnp.asarray(rng.normal(size=(16, 512, 4, 6)), dtype)
+    g = jnp.asarray(rng.normal(size=y.shape) + 0.01, dtype)  # many rows of unit-scale gradients
+    autodiff = lambda y, b: y + b.astype(y.dtype)
+    np.testing.assert_array_equal(np.asarray(add_bias(y, bias), np.float32), np.asarray(autodiff(y, bias), np.float32))
+    (dy, db), (dy_ad, db_ad) = (jax.vjp(f, y, bias)[1](g) for f in (add_bias, autodiff))
+    np.testing.assert_array_equal(np.asarray(dy, np.float32), np.asarray(dy_ad, np.float32))
+    assert db.dtype == jnp.float32 and db.shape == bias.shape
+    exact = np.asarray(g, np.float64).sum(axis=(0, 1))
+    error = lambda d: np.abs(np.asarray(d, np.float64) - exact).max() / np.abs(exact).max()
+    assert error(db) < 1e-5
+    if dtype == jnp.float32:
+      np.testing.assert_allclose(db, db_ad, rtol=1e-6, atol=1e-6)
+    else:
+      assert error(db_ad) > 1e-3  # what this replaces: the sum in bf16
+
+
 @pytest.mark.parametrize("use_bias", [True, False])
 @pytest.mark.parametrize("cross, fuse", [(False, True), (True, True), (False, False)])
 def test_attention_projects_what_shares_an_input_in_one_matmul_with_the_same_result(use_bias, cross, fuse):

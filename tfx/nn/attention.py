@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from tfx import ops
-from tfx.nn.layers import DenseGeneral, ModelConfig, constrain, flat_matmul
+from tfx.nn.layers import DenseGeneral, ModelConfig, add_bias, constrain, flat_matmul
 
 
 class Attention(nn.Module):
@@ -124,7 +124,7 @@ def _fused_projections(projections: list[DenseGeneral], x: jax.Array, dtype) -> 
   bias = None if weights[0][1] is None else jnp.stack([w[1] for w in weights], axis=1)  # [h, n, d]
   y = flat_matmul(x.astype(dtype), kernel, 1)  # [b, t, h, n, d]
   if bias is not None:
-    y = y + bias.astype(dtype)
+    y = add_bias(y, bias)
   return [y[..., i, :] for i in range(len(projections))]
 
 

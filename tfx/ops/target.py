@@ -71,9 +71,9 @@ def _assumed_cudnn() -> Iterator[None]:
 
 def one_pass_reductions() -> bool:
   """Whether row statistics are taken as one variadic reduction that reads a tensor once (a max
-  and a sum of exponentials, a count, mean and squared deviations) rather than one reduction per
-  statistic. On a GPU that is a pass over the tensor less (GPT-2-small's step for an H100: 5.9 GB
-  of 107.3); XLA:CPU runs such reductions 1.6-2x slower than the separate ones, so not there; on
-  a TPU it has not been measured, so not there either.
+  and a sum of exponentials; a count, mean and squared deviations) rather than one reduction per
+  statistic. On a GPU that is a pass over the tensor less (GPT-2-small's step for an H100 at 32
+  rows: 4.6 GB of 107.3); XLA:CPU runs such reductions 1.6-2x slower than the separate ones, so
+  not there; on a TPU it has not been measured, so not there either.
   """
   return backend() == "gpu"
