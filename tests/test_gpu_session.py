@@ -23,8 +23,8 @@ sys.modules.update(dict.fromkeys(("grain", "datasets", "tensorboardX", "gcsfs"))
 '''
 # Every step but `peer`, which needs transformers 4.57.6 (not in tfx's environment: its own test
 # below runs it in benchmarks/.venv-peer where that exists).
-STEPS = ["env", "attention", "suite", "t5_128", "t5_128u", "scanned", "kernels", "loss_chunk", "profile", "bias",
-         "xla_flags", "baseline"]
+STEPS = ["env", "attention", "reductions", "suite", "t5_128", "t5_128u", "scanned", "kernels", "loss_chunk", "profile",
+         "bias", "xla_flags", "baseline"]
 PEER_PYTHON = os.path.join(ROOT, "benchmarks", ".venv-peer", "bin", "python")
 
 
@@ -67,6 +67,8 @@ def test_session_runs_every_step_and_writes_its_results(tmp_path):
 
   checked = json.loads((out / "attention.json").read_text())
   assert len(checked) >= 20 and all(row["ok"] for row in checked)
+  reductions = json.loads((out / "reductions.json").read_text())["rows"]
+  assert len(reductions) == 20 and all(row["ok"] for row in reductions)
   suite = json.loads((out / "suite.json").read_text())
   assert [m["name"] for m in suite["models"]] == ["gpt2_small", "bert_base", "t5_base", "xlnet_base"]
   assert all(m["batch_size"] == 2 for m in suite["models"]) and sorted(suite["compile_layers"]) == ["2", "8"]

@@ -9,6 +9,9 @@
 #   env          python, jax and its devices, nvidia-smi                                     30 s
 #   attention    a GPU's model.attention kernels (auto cudnn pallas xla) against float32   120 s
 #                (python -m tfx.check_attention)
+#   reductions   the one-pass reductions a GPU's program takes (LayerNorm's statistics,   60 s
+#                the bf16 loss's max and sum) against the two-pass ones and float64, and
+#                the float32 bias gradient (benchmarks/gpu/check_reductions.py)
 #   suite        the accelerator table: GPT-2-small, BERT-base, T5-base, XLNet-base at    420 s
 #                32 rows per device (layers unrolled), each then traced for three more steps
 #                (OUT/suite_traces/<model>, summed by kind in suite.json), then GPT-2's compile
@@ -62,7 +65,7 @@ set -u
 out=$1
 shift
 steps=("$@")
-all_steps=(env attention suite t5_128 t5_128u scanned kernels loss_chunk profile bias xla_flags baseline peer)
+all_steps=(env attention reductions suite t5_128 t5_128u scanned kernels loss_chunk profile bias xla_flags baseline peer)
 [ ${#steps[@]} -gt 0 ] || steps=("${all_steps[@]}")
 for step in "${steps[@]}"; do
   [[ " ${all_steps[*]} " == *" $step "* ]] || { echo "unknown step $step (${all_steps[*]})" >&2; exit 2; }
@@ -102,12 +105,14 @@ size=(--batch 32)
 t5=(--batch 128)
 peer=(--dtype bfloat16 --sizes base --reps 10 --compiles 1 --tfx-override=--config.model.scan_unroll=0)
 check=()
+reductions=()
 bias=()
 if [ -n "${TFX_GPU_TINY:-}" ]; then
   bias=(--implementation xla --batch 4 --length 64 --heads 2 --head-dim 16 --steps 2)
   size=(--tiny --batch 2 --steps 2 --warmup 1)
   t5=(--batch 4)
   check=(--length 32)
+  reductions=(--tiny)
   peer=(--dtype bfloat16 --models gpt2,t5 --sizes small --reps 2 --compiles 1)
 fi
 
@@ -135,6 +140,8 @@ print(\"ml_collections from\", ml_collections.__file__)'
            nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true" ;;
     attention) run attention 120 "$py" -m tfx.check_attention --implementations auto,cudnn,pallas,xla "${check[@]}" \
                  --json "$out/attention.json" ;;
+    reductions) run reductions 60 "$py" benchmarks/gpu/check_reductions.py "${reductions[@]}" \
+                  --json "$out/reductions.json" ;;
     suite) run suite 420 "${bench[@]}" --profile "$out/suite_traces" --json "$out/suite.json" ;;
     t5_128) run t5_128 120 "${bench[@]}" --only t5_base --skip-depth "${t5[@]}" --config.model.scan_unroll=1 \
               --json "$out/t5_128.json" ;;
