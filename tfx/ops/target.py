@@ -1,12 +1,15 @@
 """The platform tfx traces its kernels for: this machine's backend, or one named for a cross-lowering.
 
-The attention's kernel choice (`tfx.ops.attention.choose_implementation`) and whether the Pallas
-kernels run compiled or in Pallas' interpreter depend on the platform. Normally that is
+The attention's kernel choice (`tfx.ops.attention.choose_implementation`), whether the Pallas
+kernels run compiled or in Pallas' interpreter, and the form of the norms' and the loss's row
+statistics (`one_pass_reductions`) depend on the platform. Normally that is
 `jax.default_backend()`. Inside `lowering_for("gpu")` (or "tpu") they are made for that platform
 instead, so that a train step traced there and lowered with
 `jitted.trace(...).lower(lowering_platforms=(LOWERING_PLATFORMS["gpu"],))` is the program the
 GPU would compile: its Triton and cuDNN custom calls (or the TPU's Mosaic kernels) included. That
 is how `python -m tfx.bench --lower gpu` checks the accelerator path on a machine without one.
+The choice is made while tracing, and `jax.jit` keeps a function's trace whatever the platform
+was: jit a fresh function for each platform (as `tfx.bench_lower` and the tests do).
 """
 
 import contextlib
