@@ -88,10 +88,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.scan_layers = True
   # With scan_layers: layers per iteration of the scanned loop; 0 = all of them (the loop unrolled,
   # parameters still stacked, checkpoints unchanged). Unrolling compiles longer but lets XLA drop
-  # the loop's stacked buffers: on CPU, 4 layers d256 x 8 rows of 256, temp memory 505 -> 439 MiB
-  # and the step 17% faster; compiled for an H100, the kernels of GPT-2-small's step move 110 GB
-  # instead of 145 (tfx.bench_traffic; the accelerator suite unrolls). Computes the same function:
-  # a resume may change it.
+  # the loop's stacked buffers: compiled for an H100, the kernels of GPT-2-small's step move 110 GB
+  # instead of 145 (tfx.bench_traffic; the accelerator suite unrolls). On a CPU it gains nothing
+  # (peer benchmark, 4 layers d256 x 8 rows of 256, 2026-11-28: GPT-2 1.04x HF's step unrolled
+  # against 1.02x scanned, temporaries 397 against 261 MiB). Computes the same function: a resume
+  # may change it.
   c.model.scan_unroll = 1
   # Rematerialisation policy name: 'none', 'full' (= 'nothing_saveable'), 'dots' (= 'dots_saveable'),
   # 'dots_no_batch' (= 'dots_with_no_batch_dims_saveable'), 'dots_attention', 'everything_saveable'
