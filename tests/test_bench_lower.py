@@ -139,6 +139,60 @@ def test_cudnn_gets_every_key_for_a_query_row_that_has_none(monkeypatch):
   assert not bool(jnp.any(out[:, 4:])) and bool(jnp.all(out[:, :4] == 1))  # padding rows zeroed after
 
 
+def _computing_cudnn(q, k, v, *, mask, scale, is_causal=False, **unused):
+  """What cuDNN computes, here in float32: the softmax over the allowed keys (`is_causal` on top of
+  the mask). A row with no allowed key gives NaN: nothing rescues it."""
+  t, s = q.shape[1], k.shape[1]
+  scores = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+  allowed = jnp.broadcast_to(mask, scores.shape) & (masks.causal_mask(t, s) if is_causal else True)
+  p = jax.nn.softmax(jnp.where(allowed, scores, -jnp.inf), axis=-1)  # [b, h, t, s]
+  return jnp.einsum("bhts,bshd->bthd", p, v.astype(jnp.float32)).astype(q.dtype)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_cudnn_gives_a_packed_rows_padding_queries_zeros_itself(monkeypatch, causal):
+  # A packed row's padding queries attend the padding keys, whose values are zeroed, so that the
+  # kernel's own output is 0 there (no select after it) and nothing reaches a weight through them
+  returned = []
+
+  def fake_cudnn(q, k, v, **kwargs):
+    returned.append(_computing_cudnn(q, k, v, **kwargs))
+    return returned[-1]
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", fake_cudnn)
+  seg = jnp.asarray([[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1], [0] * 8])  # [b, t]
+  mask = masks.SegmentMask(seg, causal).prebuilt()
+  keys = jax.random.split(jax.random.key(0), 4)
+  q, k, v = (jax.random.normal(key, (3, 8, 2, 64), jnp.bfloat16) for key in keys[:3])
+  cotangent = jax.random.normal(keys[3], (3, 8, 2, 64))
+
+  def run(q, k, v):
+    return attention.dot_product_attention(q, k, v, mask=mask)
+
+  def loss(q, k, v):
+    return jnp.sum(run(q, k, v).astype(jnp.float32) * cotangent)
+
+  with target.lowering_for("gpu"), attention.recorded_choices() as chosen:
+    out = run(q, k, v)
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  assert {impl for impl, _ in chosen} == {"cudnn"}
+  pad = seg == 0
+  assert not bool(jnp.any(jnp.isnan(returned[0])))  # every row had a key in the kernel
+  assert not bool(jnp.any(returned[0][pad]))  # the kernel's own output is 0 on the padding rows
+  assert not bool(jnp.any(out[pad])) and not any(bool(jnp.any(g[pad])) for g in grads)
+
+  def reference(q, k, v):  # float32, the padding rows zeroed
+    out = attention.reference_attention(q, k, v, mask=mask.dense(), scale=64 ** -0.5)
+    return jnp.where(pad[:, :, None, None], 0.0, out)
+
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  want_out, pull = jax.vjp(reference, *f32)
+  want = (want_out, *pull(cotangent))
+  for got, exp in zip((out, *grads), want):
+    err = jnp.max(jnp.abs(got.astype(jnp.float32) - exp)) / jnp.max(jnp.abs(exp))
+    assert float(err) < 2e-2, float(err)
+
+
 def test_t5_with_an_odd_target_length_lowers_for_gpu():
   (result,) = bench_lower.lower_suite(ROOT, "gpu", tiny=True, batch_per_device=2, only=("t5_base",),
                                       overrides=("data.seq_len=128",))  # 128 -> 29 targets
