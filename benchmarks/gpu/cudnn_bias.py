@@ -24,7 +24,10 @@ rows' outputs are zeroed first, as tfx's guard does); one row has 2 real tokens,
 output and gradient must be finite (cuDNN gave NaN for rows without keys before:
 benchmarks/gpu/cudnn_empty_rows.py). Each T5 row also reports `padding_gradient_max`, the largest
 |dq|, |dk|, |dv| at padding positions, which are 0: whether cuDNN writes them with lengths (tfx,
-which adopted the lengths on 2026-11-27 without a GPU, zeroes them itself: three selects a call).
+which adopted the lengths on 2026-11-27 without a GPU, zeroes them itself: three selects a call),
+and `padding_output_max`, the largest |output| of the kernel on the padding query rows before tfx's
+guard zeroes them (were both 0 with lengths, the guard and the zeroing could go for rows of one
+segment, as they went for packed rows' padding on 2026-11-28).
 
 `--case gpt2` asks the same of GPT-2's packed causal rows (two documents a row, no bias): JAX
 turns the mask into a [b, 1, t, t] bias and, since its `should_export_dbias` always says yes,
@@ -108,8 +111,10 @@ def attention_loss(variant: str, implementation: str | None):
         kwargs["is_causal"] = True  # as tfx: cuDNN skips the blocks above the diagonal
     with _no_dbias() if variant == "mask, no dbias" else contextlib.nullcontext():
       out = jax.nn.dot_product_attention(q, k, v, bias=bias, implementation=implementation, **kwargs)
+    # the kernel's own output on the padding rows, before tfx's guard zeroes it
+    raw_padding = jnp.max(jnp.where(real[:, :, None, None], 0.0, jnp.abs(out.astype(jnp.float32))))
     out = jnp.where(real[:, :, None, None], out, jnp.zeros((), out.dtype))  # tfx's guard
-    return jnp.sum(out.astype(jnp.float32) * cot), out
+    return jnp.sum(out.astype(jnp.float32) * cot), (out, raw_padding)
 
   return loss
 
@@ -125,7 +130,7 @@ def run(variant: str, implementation: str | None, args_: tuple, steps: int) -> d
     start = time.perf_counter()
     result = jax.block_until_ready(step(*args_))
     times.append(time.perf_counter() - start)
-  (_, out), grads = result
+  (_, (out, raw_padding)), grads = result
   finite = all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in (out, *grads))
   row = {"variant": variant, "ms": 1e3 * statistics.median(times), "compile_s": compile_s, "finite": finite,
          "values": (out, *grads)}
@@ -134,6 +139,7 @@ def run(variant: str, implementation: str | None, args_: tuple, steps: int) -> d
     padding = jnp.arange(out.shape[1])[None, :] >= args_[4][:, None]  # [b, t]
     row["padding_gradient_max"] = max(float(jnp.max(jnp.where(padding[:, :, None, None], jnp.abs(g), 0)))
                                       for g in grads[:3])
+    row["padding_output_max"] = float(raw_padding)
   return row
 
 
@@ -169,8 +175,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{variant:15s} " + (f"refused: {row['refused']}" if "refused" in row else
                                f"{row['ms']:8.3f} ms fwd+bwd  compile {row['compile_s']:.1f} s"
                                f"{'' if row['finite'] else '  NOT FINITE'}"
-                               + (f"  padding gradients <= {row['padding_gradient_max']:.3g}"
-                                  if "padding_gradient_max" in row else "")), flush=True)
+                               + (f"  padding gradients <= {row['padding_gradient_max']:.3g}, outputs <= "
+                                  f"{row['padding_output_max']:.3g}" if "padding_gradient_max" in row else "")),
+          flush=True)
   reference, candidate = rows[0], rows[1]
   agreement = None
   if "values" in reference and "values" in candidate:
