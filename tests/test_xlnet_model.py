@@ -50,10 +50,13 @@ def _perm_masks(z: np.ndarray, mlen: int):
 # ============================================================================ positions
 
 
-@pytest.mark.parametrize("t, mlen, batched", [(5, 0, False), (5, 3, True), (1, 4, False), (7, 16, True)])
-def test_positional_scores_are_the_gather_by_distance_index_with_its_gradients(t, mlen, batched):
-  """The pad-and-reshape shift reads what a gather by `distance_table`'s index reads, and its
-  gradients (a pad and slices, where the gather's is a scatter-add) are the gather's."""
+@pytest.mark.parametrize("t, mlen, batched, block", [
+    (5, 0, False, None), (5, 3, True, None), (1, 4, False, None), (7, 16, True, None),  # one block
+    (8, 3, False, 2), (8, 0, True, 4), (6, 5, False, 3), (6, 2, True, 1), (128, 0, False, None)])
+def test_positional_scores_are_the_gather_by_distance_index_with_its_gradients(t, mlen, batched, block):
+  """The blocked pad-and-reshape shift reads what a gather by `distance_table`'s index reads, and
+  its gradients (a pad and slices, where the gather's is a scatter-add) are the gather's, for one
+  block of queries and for several (each against its own window of distances)."""
   b, d = 2, 4
   p = mlen + 2 * t - 1
   kq, kr, kc = jax.random.split(jax.random.key(1), 3)
@@ -66,13 +69,19 @@ def test_positional_scores_are_the_gather_by_distance_index_with_its_gradients(t
     table = jnp.einsum("bthd,bphd->bhtp", q_r, jnp.broadcast_to(k_r, (b,) + k_r.shape[1:]))  # [b, h, t, p]
     return jnp.take_along_axis(table, jnp.broadcast_to(index, (b, H) + index.shape), axis=-1)
 
-  np.testing.assert_allclose(X.positional_scores(q_r, k_r), gathered(q_r, k_r), rtol=1e-6, atol=1e-6)
-  grads = [jax.grad(lambda q, k: jnp.sum(f(q, k) * cot), argnums=(0, 1))(q_r, k_r)
-           for f in (X.positional_scores, gathered)]
+  blocked = lambda q, k: X.positional_scores(q, k, block)
+  np.testing.assert_allclose(blocked(q_r, k_r), gathered(q_r, k_r), rtol=1e-6, atol=1e-6)
+  grads = [jax.grad(lambda q, k: jnp.sum(f(q, k) * cot), argnums=(0, 1))(q_r, k_r) for f in (blocked, gathered)]
   for ours, want in zip(*grads):
     np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5)
-  scatter = jax.jit(jax.grad(lambda q: jnp.sum(X.positional_scores(q, k_r)))).lower(q_r).as_text()
+  scatter = jax.jit(jax.grad(lambda q: jnp.sum(blocked(q, k_r)))).lower(q_r).as_text()
   assert "scatter" not in scatter and "gather" not in scatter
+
+
+def test_query_blocks_divide_the_queries():
+  assert [X.query_block(t) for t in (1, 7, 64, 100, 128, 512, 97, 192)] == [1, 7, 64, 50, 64, 64, 97, 64]
+  with pytest.raises(ValueError, match="block 3 does not divide the 8 queries"):
+    X.positional_scores(jnp.zeros((1, 8, H, 4)), jnp.zeros((1, 15, H, 4)), 3)
 
 
 @pytest.mark.parametrize("mlen,clamp,sign", [(0, -1, None), (3, -1, None), (3, 2, None), (4, -1, (1.0, -1.0))])

@@ -5,9 +5,9 @@ n prediction slots, p relative distances (s + t - 1 of them).
 
 - Relative positions: query i in [0, t) and key j in [0, s) are at distance
   d_ij = i + m - j. R(d) = concat[sin(d f), cos(d f)], f_k = 10000^(-2k/e). The positional
-  score (q_i + r_r_bias) . W_r R(d_ij) is computed once per distinct distance and each query's
-  keys cut out of that table (`positional_scores`, a pad-and-reshape shift); `rel_shift_scores` is the
-  Transformer-XL shift formulation over all of them, kept as a test reference.
+  score (q_i + r_r_bias) . W_r R(d_ij) is computed once per distance that a block of queries reads
+  and each query's keys cut out of that table (`positional_scores`, a pad-and-reshape shift);
+  `rel_shift_scores` is the Transformer-XL shift formulation over all of them, a test reference.
 - Segments: s_ij = [type_i != type_j]; memory positions have type 0.
 - Attention (`relative_attention`): the content term (q + r_w_bias) . k is a fused kernel's own
   q . k and the position and segment terms (`relative_bias`) its bias, through
@@ -87,34 +87,64 @@ def relative_encoding(distances: jax.Array, d_model: int, *, clamp_len: int = -1
   return sinusoid(d, d_model)
 
 
-def positional_scores(q_r: jax.Array, k_r: jax.Array) -> jax.Array:
+# Queries per block of `positional_scores`, whose table is s + block - 1 distances wide. Against k_r
+# shared by the batch the windows are small (nb x w x h x d); per row (bi_data's signed distances)
+# they are nb copies of the rows' k_r, so there the blocks are halves. Measured by the bytes of
+# XLNet-base's step compiled for an H100 (32 x 512, memory 384): shared, blocks of 16 / 32 / 64 / 128
+# / 512 move 208.3 / 207.0 / 207.9 / 211.5 / 257.3 GB; per row, 64 / 128 / 256 / 512: 238.7 / 220.6 /
+# 216.1 / 222.9 GB.
+QUERY_BLOCK = 64
+
+
+def query_block(length: int, target: int = QUERY_BLOCK) -> int:
+  """The largest divisor of `length` that is at most `target`; `length` itself (one block) when that
+  divisor is below target / 8 (blocks that small would make poor matmuls)."""
+  block = max(b for b in range(1, min(length, target) + 1) if length % b == 0)
+  return block if block * 8 >= min(length, target) else length
+
+
+def positional_scores(q_r: jax.Array, k_r: jax.Array, block: int | None = None) -> jax.Array:
   """(q_i + r_r_bias) . W_r R(d_ij), scored once per distance, then each query row's keys cut out.
 
-  Row i of the [t, p] table of scores by distance needs the entries at `distance_table`'s index,
-  (t - 1 - i) + j for key j: a window of s consecutive distances that starts one place earlier
-  for each later query. Padded with one column and read flat, the table gives every row's window
-  at one stride (p instead of p + 1), so the windows come out of a pad, a reshape and two slices
-  (Transformer-XL's shift, on the p = s + t - 1 distances that occur): the gradient is the same
-  slices and pad backwards. A gather by `index` would be the same numbers, but its gradient is a
-  scatter-add over [b, h, t, s], which took 15% of XLNet-base's step on an H200.
+  Row i needs the distances at `distance_table`'s index, (t - 1 - i) + j for key j: a window of s
+  consecutive distances that starts one place earlier for each later query. The queries go in
+  blocks of `block` (nb = t / block of them): block c's rows need only the s + block - 1 distances
+  from (nb - 1 - c) * block on, so each block is scored against its own window of k_r (a static
+  slice; the table is [b, h, t, s + block - 1], not [b, h, t, s + t - 1]: XLNet-base's 512 queries
+  over 896 keys score 959 distances per row instead of 1407). Within a block, padded with one column
+  and read flat, the table gives every row's window at one stride (Transformer-XL's shift): a pad,
+  a reshape and two slices, whose gradient is the same slices and pad backwards. A gather by
+  `index` would be the same numbers, but its gradient is a scatter-add over [b, h, t, s], which took
+  15% of XLNet-base's step on an H200.
 
   Args:
     q_r: [b, t, h, d] queries plus r_r_bias.
     k_r: [b|1, p, h, d] projected encodings W_r R(d) of `distance_table`'s distances (p = s + t - 1).
+    block: queries per block, a divisor of t (default: `query_block` of t, for QUERY_BLOCK; halves for
+      a k_r per row; t: one block, the whole table).
 
   Returns:
     [b, h, t, s] float32: entry (i, j) scores the distance i + m - j.
   """
-  if k_r.shape[0] == 1:
-    table = jnp.einsum("bthd,phd->bhtp", q_r, k_r[0])  # [b, h, t, p]
-  else:
-    table = jnp.einsum("bthd,bphd->bhtp", q_r, k_r)
-  b, h, t, p = table.shape
+  b, t, h, d = q_r.shape
+  p = k_r.shape[1]
   s = p - t + 1
-  flat = jnp.pad(table, ((0, 0), (0, 0), (0, 0), (0, 1))).reshape(b, h, t * (p + 1))  # row i at i * (p + 1)
-  # flat[t - 1 + i * p + j] = table[i, t - 1 - i + j]
-  windows = flat[..., t - 1:t - 1 + t * p].reshape(b, h, t, p)  # [b, h, t, p]
-  return windows[..., :s].astype(jnp.float32)  # [b, h, t, s]
+  if block is None:
+    block = query_block(t, QUERY_BLOCK if k_r.shape[0] == 1 else max(QUERY_BLOCK, t // 2))
+  if t % block:
+    raise ValueError(f"positional_scores: block {block} does not divide the {t} queries")
+  nb, w = t // block, s + block - 1
+  windows = jnp.stack(  # [b|1, nb, w, h, d]
+      [k_r[:, (nb - 1 - c) * block:(nb - 1 - c) * block + w] for c in range(nb)], axis=1)
+  q_blocks = q_r.reshape(b, nb, block, h, d)  # [b, nb, block, h, d]
+  if k_r.shape[0] == 1:
+    table = jnp.einsum("bnqhd,nwhd->bhnqw", q_blocks, windows[0])  # [b, h, nb, block, w]
+  else:
+    table = jnp.einsum("bnqhd,bnwhd->bhnqw", q_blocks, windows)
+  flat = jnp.pad(table, ((0, 0),) * 4 + ((0, 1),)).reshape(b, h, nb, block * (w + 1))  # row r at r * (w + 1)
+  # flat[block - 1 + r * w + j] = table[r, block - 1 - r + j]
+  rows = flat[..., block - 1:block - 1 + block * w].reshape(b, h, nb, block, w)
+  return rows[..., :s].reshape(b, h, t, s).astype(jnp.float32)  # [b, h, t, s]
 
 
 def rel_shift_scores(q_r: jax.Array, k_r_shift: jax.Array, mem_length: int) -> jax.Array:
