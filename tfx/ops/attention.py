@@ -157,6 +157,9 @@ def _attention_fwd(q, k, v, mask, bias, keep, scale, rate):
   inv_l = jnp.where(total > 0.0, 1.0 / jnp.maximum(total, 1.0), 0.0)
   out = _pv(_dropped(p, keep, rate).astype(v.dtype), v)  # [b, t, k, g, d]
   out = out * jnp.moveaxis(inv_l, 3, 1)[..., None]  # [b, t, k, g, d]
+  # The residual in the compute dtype: the backward pass rounds dS to it before its matmuls anyway,
+  # and in bf16 it halves the largest array a layer keeps (and the scan stacks).
+  p = p.astype(q.dtype)
   p, inv_l, out = (checkpoint_name(x, n) for x, n in zip((p, inv_l, out), RESIDUAL_NAMES))
   return out.reshape(b, t, h, d).astype(q.dtype), (q, k, v, bias, keep, p, inv_l, out)
 
@@ -168,6 +171,7 @@ def _attention(q, k, v, mask, bias, keep, scale, rate):
 
 def _attention_bwd(scale, rate, residuals, d_out):
   q, k, v, bias, keep, p, inv_l, out = residuals  # no mask: p is exactly 0 wherever it is False
+  p = p.astype(jnp.float32)  # [b, k, g, t, s]
   b, t, h, d = q.shape
   kh = k.shape[2]
   # dS = P * (dP - rowsum(dO * O)) with P = p / l: fold 1/l into dO once ([b, t, k, g, d]). With
@@ -194,7 +198,9 @@ def softmax_attention(q, k, v, mask, bias, scale, *, dropout_rate: float = 0.0, 
   """Einsum attention for XLA (CPU, TPU, and GPU when cuDNN does not apply), with a hand-written
   backward pass. The same function as `reference_attention` (tests compare values and gradients)
   with fewer passes over the [b, k, g, t, s] scores and one [b, k, g, t, s] residual (the
-  unnormalised probabilities) instead of autodiff's several: the forward pass divides the output
+  unnormalised probabilities, kept in the compute dtype: in bf16 the gradients stay as close to
+  float32's as autodiff's bf16 ones, a test checks) instead of autodiff's several (its softmax keeps
+  float32 probabilities): the forward pass divides the output
   by the row sums instead of normalising the probabilities; the backward pass takes the softmax
   term from rowsum(dO * O) over d (as flash attention does) instead of rowsum(dP * P) over s, and
   folds 1 / rowsum into dO once. A query row with no allowed key gets exact zeros (output and
