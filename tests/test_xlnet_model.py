@@ -52,7 +52,8 @@ def _perm_masks(z: np.ndarray, mlen: int):
 
 @pytest.mark.parametrize("t, mlen, batched, block", [
     (5, 0, False, None), (5, 3, True, None), (1, 4, False, None), (7, 16, True, None),  # one block
-    (8, 3, False, 2), (8, 0, True, 4), (6, 5, False, 3), (6, 2, True, 1), (128, 0, False, None)])
+    (8, 3, False, 2), (8, 0, True, 4), (6, 5, False, 3), (6, 2, True, 1), (128, 0, False, None),
+    (128, 5, True, None)])
 def test_positional_scores_are_the_gather_by_distance_index_with_its_gradients(t, mlen, batched, block):
   """The blocked pad-and-reshape shift reads what a gather by `distance_table`'s index reads, and
   its gradients (a pad and slices, where the gather's is a scatter-add) are the gather's, for one
