@@ -82,7 +82,7 @@ def parse_module(text: str) -> tuple[dict[str, dict[str, Instruction]], str]:
       current = computations.setdefault(header.group(2), {})
       entry = header.group(2) if header.group(1) else entry
       continue
-    if line.startswith("}"):
+    if line.rstrip() == "}":  # not "}}, metadata=...": the end of a multi-line attribute (splash's)
       current = None
       continue
     m = _INSTRUCTION.match(line.strip()) if current is not None else None
