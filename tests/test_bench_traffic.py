@@ -87,6 +87,10 @@ ENTRY %main (p0: bf16[12,8,1024]) -> bf16[12,8,1024] {
   %called = f32[1024]{0} call(%ones), to_apply=%side
   %wide = bf16[8,4096]{1,0} constant({...})
   %cut = bf16[8,1024]{1,0} fusion(%wide), kind=kLoop, calls=%fused_cut
+  %ss = ((bf16[8,4096]{1,0:T(8,128)(2,1)}), bf16[8,1024]{1,0:T(8,128)(2,1)S(1)}, s32[]{:S(2)}) slice-start(%wide), slice={[0:8], [0:1024]}
+  %sd = bf16[8,1024]{1,0:T(8,128)(2,1)S(1)} slice-done(%ss)
+  %cs = (f32[1024]{0:T(1024)S(1)}, f32[1024]{0:T(1024)}, u32[]{:S(2)}) copy-start(%ones)
+  %cd = f32[1024]{0:T(1024)S(1)} copy-done(%cs)
   ROOT %copy.9 = bf16[12,8,1024]{2,1,0} copy(%out)
 }
 """
@@ -97,7 +101,7 @@ def test_kernels_count_what_each_reads_and_writes_times_the_loop_trips():
   # negate.8's attributes span three lines (as splash's kernel metadata does on a TPU): what follows
   # it in the computation is still read
   assert set(kernels) == {"row", "x", "scaled", "gemm", "updated", "picked", "copy.9", "negate.7", "negate.8",
-                          "cut"}
+                          "cut", "ss", "cs"}
   assert kernels["negate.7"] == bench_traffic.Kernel("negate.7", "other", 1, 1024 * 4, 1024 * 4)  # in a call
   row = 8 * 1024 * 2  # one [8, 1024] bf16 layer of the stack
   # the dynamic slice (and its 4-byte index), not the stack
@@ -112,6 +116,10 @@ def test_kernels_count_what_each_reads_and_writes_times_the_loop_trips():
   assert kernels["picked"] == bench_traffic.Kernel("picked", "fusion", 12, 8 * 4 + 8 * 2 * 4, 8 * 4)
   # a static slice of a wider result (XLA's merged matmuls) reads the slice
   assert kernels["cut"] == bench_traffic.Kernel("cut", "fusion", 1, row, row)
+  # XLA:TPU's asynchronous slice and copy into another memory space move what they deliver, once
+  # (their tuples also name the source; the -done ops are not kernels)
+  assert kernels["ss"] == bench_traffic.Kernel("ss", "copy", 1, row, row)
+  assert kernels["cs"] == bench_traffic.Kernel("cs", "copy", 1, 1024 * 4, 1024 * 4)
   moved = bench_traffic.summary(HLO)
   assert moved["total"] == sum(k.bytes for k in kernels.values())
   assert moved["in-place update"] == 12 * (4 + 2 * row) and moved["attention"] == 0

@@ -17,7 +17,9 @@ parameter only through a slice or dynamic-slice count the slice (XLA merges matm
 operand, e.g. T5's 12 layers' cross-attention key and value projections of the encoder output, and
 slices each layer's result out), through a gather the gathered elements (also behind a convert or
 bitcast); a dynamic-update-slice writes its update into a buffer it does not read (in place).
-What the count cannot see: caches (a kernel's re-read of what it just wrote), kernels' efficiency, and
+XLA:TPU's asynchronous copies and slices into its on-chip memory spaces (`S(1)` in a layout) count
+what they deliver, once; kernels reading those spaces are counted as if they read HBM, so on a TPU
+the count bounds HBM traffic from above. What the count cannot see: caches (a kernel's re-read of what it just wrote), kernels' efficiency, and
 which matmul kernel autotuning picks on the device (compile-only builds skip autotuning).
 """
 
@@ -154,7 +156,7 @@ def _kind(name: str, inst: Instruction, body: dict[str, Instruction] | None) -> 
     if all(o.op == "dynamic-update-slice" for o in outputs):
       return "in-place update"
     return "fusion"
-  return "copy" if inst.op in ("copy", "copy-start", "transpose") else "other"
+  return "copy" if inst.op in ("copy", "copy-start", "slice-start", "transpose") else "other"
 
 
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -176,6 +178,14 @@ _NOT_KERNELS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"
                 "add-dependency", "opt-barrier"}
 
 
+def _transferred(inst: Instruction) -> int:
+  """Bytes an asynchronous copy or slice moves (XLA:TPU's transfers between memory spaces): its
+  result is a tuple that also names the source (copy-start: (destination, source, context);
+  slice-start: ((source), slice, context)), of which only the destination is moved."""
+  dtype, dims = _ARRAY.findall(inst.shape)[1 if inst.op == "slice-start" else 0]
+  return shape_bytes(f"{dtype}[{dims}]")
+
+
 def kernels(text: str) -> list[Kernel]:
   """The kernels of an optimized HLO module with their traffic; a while loop's body counts once
   per known trip (its condition is not counted)."""
@@ -191,10 +201,12 @@ def kernels(text: str) -> list[Kernel]:
         for called in re.findall(r"(?:to_apply=|branch_computations=\{|, )%([\w.\-]+)", inst.attributes):
           if called in computations:
             walk(called, times)
-      elif inst.op not in _NOT_KERNELS:
+      elif inst.op not in _NOT_KERNELS and not inst.op.endswith("-done"):  # a -done ends its -start
         body = computations.get(_attribute(inst, "calls") or "") if inst.op == "fusion" else None
         if body is not None:
           read, written = _fused_bytes(body)
+        elif inst.op in ("copy-start", "slice-start"):
+          read = written = _transferred(inst)
         else:
           scope = computations[name]
           read = sum(shape_bytes(scope[o].shape) for o in inst.operands if o in scope)
