@@ -19,8 +19,9 @@ slices each layer's result out), through a gather the gathered elements (also be
 bitcast); a dynamic-update-slice writes its update into a buffer it does not read (in place).
 XLA:TPU's asynchronous copies and slices into its on-chip memory spaces (`S(1)` in a layout) count
 what they deliver, once; kernels reading those spaces are counted as if they read HBM, so on a TPU
-the count bounds HBM traffic from above. What the count cannot see: caches (a kernel's re-read of what it just wrote), kernels' efficiency, and
-which matmul kernel autotuning picks on the device (compile-only builds skip autotuning).
+the count bounds HBM traffic from above. What the count cannot see: caches (a kernel's re-read of
+what it just wrote), kernels' efficiency, and which matmul kernel autotuning picks on the device
+(compile-only builds skip autotuning).
 """
 
 import argparse
