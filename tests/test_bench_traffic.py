@@ -91,6 +91,8 @@ ENTRY %main (p0: bf16[12,8,1024]) -> bf16[12,8,1024] {
   %sd = bf16[8,1024]{1,0:T(8,128)(2,1)S(1)} slice-done(%ss)
   %cs = (f32[1024]{0:T(1024)S(1)}, f32[1024]{0:T(1024)}, u32[]{:S(2)}) copy-start(%ones)
   %cd = f32[1024]{0:T(1024)S(1)} copy-done(%cs)
+  %cb = bf16[8,2048]{1,0:T(8,128)(2,1)S(1)} custom-call(%sd, %sd), custom_call_target="ConcatBitcast"
+  %ab = f32[4096]{0:T(1024)} custom-call(), custom_call_target="AllocateBuffer"
   ROOT %copy.9 = bf16[12,8,1024]{2,1,0} copy(%out)
 }
 """
@@ -117,7 +119,8 @@ def test_kernels_count_what_each_reads_and_writes_times_the_loop_trips():
   # a static slice of a wider result (XLA's merged matmuls) reads the slice
   assert kernels["cut"] == bench_traffic.Kernel("cut", "fusion", 1, row, row)
   # XLA:TPU's asynchronous slice and copy into another memory space move what they deliver, once
-  # (their tuples also name the source; the -done ops are not kernels)
+  # (their tuples also name the source; the -done ops are not kernels, nor are the concatenation of
+  # a sliced prefetch's slices and an allocation)
   assert kernels["ss"] == bench_traffic.Kernel("ss", "copy", 1, row, row)
   assert kernels["cs"] == bench_traffic.Kernel("cs", "copy", 1, 1024 * 4, 1024 * 4)
   moved = bench_traffic.summary(HLO)

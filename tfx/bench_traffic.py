@@ -179,6 +179,11 @@ _NOT_KERNELS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"
                 "add-dependency", "opt-barrier"}
 
 
+# XLA:TPU's custom calls that move nothing: a buffer's allocation, and the concatenation of a sliced
+# prefetch's slices, which memory-space assignment places side by side (the slices are counted).
+_NO_TRAFFIC_CALLS = {"AllocateBuffer", "ConcatBitcast"}
+
+
 def _transferred(inst: Instruction) -> int:
   """Bytes an asynchronous copy or slice moves (XLA:TPU's transfers between memory spaces): its
   result is a tuple that also names the source (copy-start: (destination, source, context);
@@ -202,7 +207,8 @@ def kernels(text: str) -> list[Kernel]:
         for called in re.findall(r"(?:to_apply=|branch_computations=\{|, )%([\w.\-]+)", inst.attributes):
           if called in computations:
             walk(called, times)
-      elif inst.op not in _NOT_KERNELS and not inst.op.endswith("-done"):  # a -done ends its -start
+      elif (inst.op not in _NOT_KERNELS and not inst.op.endswith("-done")  # a -done ends its -start
+            and _attribute(inst, "custom_call_target") not in _NO_TRAFFIC_CALLS):
         body = computations.get(_attribute(inst, "calls") or "") if inst.op == "fusion" else None
         if body is not None:
           read, written = _fused_bytes(body)
