@@ -202,8 +202,8 @@ def softmax_attention(q, k, v, mask, bias, scale, *, dropout_rate: float = 0.0, 
   float32's as autodiff's bf16 ones, whose softmax keeps float32 probabilities; a test checks)
   instead of autodiff's several: the forward pass divides the output by the row sums instead of
   normalising the probabilities; the backward pass takes the softmax term from rowsum(dO * O) over
-  d (as flash attention does) instead of rowsum(dP * P) over s, and folds 1 / rowsum into dO once. A query row with no allowed key gets exact zeros (output and
-  gradients), never the mean of V.
+  d (as flash attention does) instead of rowsum(dP * P) over s, and folds 1 / rowsum into dO once.
+  A query row with no allowed key gets exact zeros (output and gradients), never the mean of V.
 
   Args: as `reference_attention` (mask bool, bias float, both [b|1, h|1, t, s] or None); scale a
   Python float; attention dropout: `keep` [b, h|1, t, s] bool, the probabilities kept (scaled by
