@@ -276,6 +276,78 @@ def test_bias_gradient_is_summed_in_float32_whatever_the_compute_dtype():
       assert error(db_ad) > 1e-3  # what this replaces: the sum in bf16
 
 
+@pytest.mark.parametrize("kernel_major", [False, True])
+def test_weight_gradient_is_the_float32_product_whatever_the_compute_dtype(kernel_major):
+  """`project` (every DenseGeneral, the fused projections, the tied output projection): value and
+  input gradient are autodiff's of the matmul with the kernel cast to x's dtype; the kernel's
+  gradient is that matmul's float32 product, where autodiff rounds it to bf16 first (and on a
+  sharded batch each device's partial sum: `test_sharded_weight_gradient_is_one_devices`)."""
+  from tfx.nn.layers import project
+
+  rng = np.random.default_rng(12)
+  lead, k, m = ((8, 256) if kernel_major else (2048,)), 48, 40  # the tied output projection: [b, t, e]
+  kernel = jnp.asarray(rng.normal(size=(m, k) if kernel_major else (k, m)), jnp.float32)
+  dims = (((len(lead),), (1 if kernel_major else 0,)), ((), ()))
+  autodiff = lambda x, w: jax.lax.dot_general(x, w.astype(x.dtype), dims)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    x = jnp.asarray(rng.normal(size=lead + (k,)), dtype)
+    g = jnp.asarray(rng.normal(size=lead + (m,)), dtype)
+    mine = lambda x, w: project(x, w, kernel_major)
+    np.testing.assert_array_equal(np.asarray(mine(x, kernel), np.float32), np.asarray(autodiff(x, kernel), np.float32))
+    (dx, dw), (dx_ad, dw_ad) = (jax.vjp(f, x, kernel)[1](g) for f in (mine, autodiff))
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(dx_ad, np.float32))
+    assert dw.dtype == jnp.float32 and dw.shape == kernel.shape
+    exact = np.asarray(g, np.float64).reshape(-1, m).T @ np.asarray(x, np.float64).reshape(-1, k)  # [m, k]
+    exact = exact if kernel_major else exact.T
+    error = lambda d: np.abs(np.asarray(d, np.float64) - exact).max() / np.abs(exact).max()
+    assert error(dw) < 1e-5
+    if dtype == jnp.float32:
+      np.testing.assert_array_equal(dw, dw_ad)  # autodiff's own computation
+    else:
+      assert error(dw_ad) > 1e-3  # what this replaces: the product rounded to bf16
+
+
+def test_sharded_weight_gradient_is_one_devices(tmp_path):
+  """On 8 devices with the batch sharded (data or FSDP parallelism), a bf16 DenseGeneral's kernel
+  gradient is one device's to float32 precision: each device's partial product stays float32 and
+  so does their sum. Autodiff's partial products are bf16, each rounded before the sum (and XLA:GPU
+  sums them in bf16), a rounding one device does not make."""
+  import subprocess
+  import sys
+
+  script = f"""
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tfx.nn.layers import DenseGeneral
+layer = DenseGeneral((64,), (4, 16), ("embed", "heads", "kv"), use_bias=False, dtype=jnp.bfloat16)
+rng = np.random.default_rng(3)
+x = jnp.asarray(rng.normal(size=(64, 128, 64)), jnp.bfloat16)
+g = jnp.asarray(rng.normal(size=(64, 128, 4, 16)), jnp.bfloat16)
+params = {{"kernel": jnp.asarray(rng.normal(size=(64, 4, 16)), jnp.float32)}}
+def grads(fn, devices):
+  mesh = Mesh(np.array(devices), ("data",))
+  xs, gs = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, g))
+  step = jax.jit(lambda p, x, g: jax.vjp(lambda p: fn(p, x), p)[1](g)[0],
+                 out_shardings=NamedSharding(mesh, P()))
+  return np.asarray(step(params, xs, gs)["kernel"], np.float64)
+tfx_fn = lambda p, x: layer.apply({{"params": p}}, x)
+autodiff = lambda p, x: jnp.einsum("bte,ehd->bthd", x, p["kernel"].astype(jnp.bfloat16))
+for name, fn in (("tfx", tfx_fn), ("autodiff", autodiff)):
+  one, eight = grads(fn, jax.devices()[:1]), grads(fn, jax.devices())
+  print(name, np.abs(eight - one).max() / np.abs(one).max())
+"""
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  differences = dict(line.split() for line in out.stdout.splitlines())
+  assert float(differences["tfx"]) < 1e-5, differences
+  assert float(differences["autodiff"]) > 1e-4, differences  # the rounding this removes
+
+
 @pytest.mark.parametrize("use_bias", [True, False])
 @pytest.mark.parametrize("cross, fuse", [(False, True), (True, True), (False, False)])
 def test_attention_projects_what_shares_an_input_in_one_matmul_with_the_same_result(use_bias, cross, fuse):

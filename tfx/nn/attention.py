@@ -120,7 +120,7 @@ def _fused_projections(projections: list[DenseGeneral], x: jax.Array, dtype) -> 
   output gradients together, instead of n matmuls whose products are then summed.
   """
   weights = [p(None, weights_only=True) for p in projections]
-  kernel = jnp.stack([w[0] for w in weights], axis=2).astype(dtype)  # [e, h, n, d]
+  kernel = jnp.stack([w[0] for w in weights], axis=2)  # [e, h, n, d], float32
   bias = None if weights[0][1] is None else jnp.stack([w[1] for w in weights], axis=1)  # [h, n, d]
   y = flat_matmul(x.astype(dtype), kernel, 1)  # [b, t, h, n, d]
   if bias is not None:

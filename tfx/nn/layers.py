@@ -6,6 +6,7 @@ maps both to mesh axes; the modules never name a mesh axis.
 """
 
 import dataclasses
+import functools
 import math
 from typing import Any, Sequence
 
@@ -97,7 +98,7 @@ def _init(std: float):
 
 
 def flat_matmul(x: jax.Array, kernel: jax.Array, n_in: int) -> jax.Array:
-  """x [..., *in] . kernel [*in, *out] -> [..., *out], as one 2-D matmul [n, k] . [k, m].
+  """x [..., *in] . kernel [*in, *out] -> [..., *out] in x's dtype, as one 2-D matmul [n, k] . [k, m].
 
   The leading dims are flattened into one row dim (and the contracted ones into one): the
   kernel's gradient is then a single-contraction x2^T . dy2, which XLA:CPU runs as one matmul,
@@ -105,11 +106,49 @@ def flat_matmul(x: jax.Array, kernel: jax.Array, n_in: int) -> jax.Array:
   slower kernel on the result (T5's gated MLP: 13% of the step on the CPU peer benchmark). The
   reshapes are layout no-ops; on a sharded batch they merge a sharded major dim with unsharded
   minor ones, which GSPMD keeps sharded.
+
+  `kernel` is the parameter itself (float32 master weights): it is cast to x's dtype for the
+  matmul, and its gradient is that matmul's float32 product (`project`).
   """
   lead, ins, outs = x.shape[: x.ndim - n_in], kernel.shape[:n_in], kernel.shape[n_in:]
   k, m = math.prod(ins), math.prod(outs)
-  y = jnp.dot(x.reshape(-1, k), kernel.reshape(k, m))  # [n, m]
+  y = project(x.reshape(-1, k), kernel.reshape(k, m))  # [n, m]
   return y.reshape(lead + outs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def project(x: jax.Array, kernel: jax.Array, kernel_major: bool = False) -> jax.Array:
+  """x [..., k] . kernel [k, m] (or [m, k] with `kernel_major`) -> [..., m] in x's dtype, the kernel
+  cast to x's dtype; the kernel's gradient comes out of its matmul in the kernel's own dtype.
+
+  Autodiff would give the gradient of a bf16 matmul in bf16 and convert it to the float32 master
+  weights' dtype afterwards: rounded to 8 bits once on one device (the matmul accumulates in
+  float32 inside), and on a data- or FSDP-sharded batch each device's partial sum rounded, then
+  summed across the devices by a bf16 all-reduce (so compiled by XLA:GPU and XLA:TPU; NCCL rounds
+  at every step of its ring). Here the partial sums stay float32 and so does their reduction, as
+  Megatron-LM reduces bf16 models' gradients in float32, for one more float32 write and read of
+  each weight's gradient. In float32 it is autodiff's computation. The kernel's gradient contracts
+  all of x's leading dims at once, as autodiff of the same einsum does (XLA:CPU picks its matmul
+  kernel by that form).
+  """
+  return _project_fwd(x, kernel, kernel_major)[0]
+
+
+def _project_fwd(x, kernel, kernel_major):
+  dims = ((x.ndim - 1,), (1 if kernel_major else 0,))
+  return jax.lax.dot_general(x, kernel.astype(x.dtype), (dims, ((), ()))), (x, kernel)
+
+
+def _project_bwd(kernel_major, residuals, g):
+  x, kernel = residuals  # x [..., k]; g [..., m]
+  w = kernel.astype(x.dtype)
+  d_x = jax.lax.dot_general(g, w, (((g.ndim - 1,), (0 if kernel_major else 1,)), ((), ())))  # [..., k]
+  lead = tuple(range(x.ndim - 1))
+  d_w = jax.lax.dot_general(g, x, ((lead, lead), ((), ())), preferred_element_type=kernel.dtype)  # [m, k]
+  return d_x, (d_w if kernel_major else d_w.T)
+
+
+project.defvjp(_project_fwd, _project_bwd)
 
 
 @jax.custom_vjp
@@ -174,7 +213,7 @@ class DenseGeneral(nn.Module):
       )
     if weights_only:
       return kernel, bias
-    y = flat_matmul(x.astype(self.dtype), kernel.astype(self.dtype), len(self.in_shape))
+    y = flat_matmul(x.astype(self.dtype), kernel, len(self.in_shape))
     return y if bias is None else add_bias(y, bias)
 
 
@@ -205,7 +244,7 @@ class Embed(nn.Module):
 
   def attend(self, x: jax.Array) -> jax.Array:
     """[b, t, e] -> [b, t, v] logits against the embedding table."""
-    return jnp.einsum("bte,ve->btv", x.astype(self.dtype), self.embedding.astype(self.dtype))
+    return project(x.astype(self.dtype), self.embedding, True)  # [b, t, v]
 
 
 class Norm(nn.Module):
