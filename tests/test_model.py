@@ -307,7 +307,40 @@ def test_weight_gradient_is_the_float32_product_whatever_the_compute_dtype(kerne
       assert error(dw_ad) > 1e-3  # what this replaces: the product rounded to bf16
 
 
-def test_sharded_weight_gradient_is_one_devices(tmp_path):
+def test_small_parameters_gradients_are_float32_sums_whatever_the_compute_dtype():
+  """The parameters that are not a matmul's kernel: XLNet's segment embeddings (`segment_scores`)
+  and mask_emb broadcast to every slot (`broadcast_param`): values and input gradients are
+  autodiff's; the parameter's gradient is the float32 product or sum, where autodiff's bf16 one is
+  rounded."""
+  from tfx.nn.layers import broadcast_param
+  from tfx.nn.xlnet import segment_scores
+
+  rng = np.random.default_rng(13)
+  seg_embed = jnp.asarray(rng.normal(size=(2, 4, 16)), jnp.float32)
+  mask_emb = jnp.asarray(rng.normal(size=(16,)), jnp.float32)
+  cases = [  # (tfx, autodiff, x shape, param, exact gradient from (x, g))
+      (segment_scores, lambda q, s: jnp.einsum("bthd,khd->bhtk", q, s.astype(q.dtype)), (8, 256, 4, 16), seg_embed,
+       lambda q, g: np.einsum("bhtk,bthd->khd", g, q)),
+      (lambda x, p: x + broadcast_param(p, x.shape, x.dtype), lambda x, p: x + jnp.broadcast_to(p.astype(x.dtype), x.shape),
+       (16, 512, 16), mask_emb, lambda x, g: g.sum(axis=(0, 1))),
+  ]
+  for mine, autodiff, shape, param, exact_of in cases:
+    for dtype in (jnp.float32, jnp.bfloat16):
+      x = jnp.asarray(rng.normal(size=shape), dtype)
+      out = mine(x, param)
+      np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(autodiff(x, param), np.float32), rtol=1e-6)
+      g = jnp.asarray(rng.normal(size=out.shape) + 0.01, dtype)
+      (dx, dp), (dx_ad, dp_ad) = (jax.vjp(f, x, param)[1](g) for f in (mine, autodiff))
+      np.testing.assert_allclose(np.asarray(dx, np.float32), np.asarray(dx_ad, np.float32), rtol=1e-6, atol=1e-6)
+      assert dp.dtype == jnp.float32
+      exact = exact_of(np.asarray(x, np.float64), np.asarray(g, np.float64))
+      error = lambda d: np.abs(np.asarray(d, np.float64) - exact).max() / np.abs(exact).max()
+      assert error(dp) < 1e-5
+      if dtype == jnp.bfloat16:
+        assert error(dp_ad) > 1e-3  # what this replaces
+
+
+def test_sharded_weight_gradient_is_one_devices():
   """On 8 devices with the batch sharded (data or FSDP parallelism), a bf16 DenseGeneral's kernel
   gradient is one device's to float32 precision: each device's partial product stays float32 and
   so does their sum. Autodiff's partial products are bf16, each rounded before the sum (and XLA:GPU

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from tfx import ops
 from tfx.nn.attention import RelativePositionBias
-from tfx.nn.layers import DenseGeneral, Embed, ModelConfig, make_norm
+from tfx.nn.layers import DenseGeneral, Embed, ModelConfig, add_bias, broadcast_param, make_norm
 
 POSITIONS = ("learned", "sinusoidal", "rotary", "relative")
 
@@ -116,7 +116,7 @@ class Family(nn.Module):
     x = drop(x)
     if slots is None:
       return x
-    vectors = jnp.broadcast_to(slots.vectors.astype(x.dtype), slots.positions.shape + (cfg.d_model,))  # [b, n, e]
+    vectors = broadcast_param(slots.vectors, slots.positions.shape + (cfg.d_model,), x.dtype)  # [b, n, e]
     g = combine(vectors, slots.positions, slots.token_types)  # [b, n, e]
     g = nn.with_logical_constraint(g, ("act_batch", "act_length", "act_embed"))
     return x, drop(g)
@@ -157,7 +157,7 @@ class Family(nn.Module):
                                       z_loss=loss.z_loss, chunk=cfg.loss_chunk)
     logits = embed.attend(x) if cfg.tie_embeddings else projection(x)
     if output_bias is not None:
-      logits = logits + output_bias.astype(logits.dtype)
+      logits = add_bias(logits, output_bias)  # its gradient summed in float32
     logits = nn.with_logical_constraint(logits, ("act_batch", "act_length", "act_vocab"))
     if loss is None:
       return logits.astype(jnp.float32)

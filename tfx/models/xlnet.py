@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from tfx.models.base import Family
 from tfx.nn.blocks import REMAT_POLICIES
-from tfx.nn.layers import Embed, ModelConfig
+from tfx.nn.layers import Embed, broadcast_param
 from tfx.nn.xlnet import XLNetLayer, distance_table, relative_encoding, segment_difference, shared_biases
 from tfx.registry import FAMILIES
 
@@ -88,7 +88,7 @@ class XLNet(Family):
     if target_mapping is not None:
       mask_emb = self.param("mask_emb", nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std),
                                                                      ("embed",)), (cfg.d_model,), jnp.float32)
-      g = drop(jnp.broadcast_to(mask_emb.astype(cfg.compute_dtype), (b, target_mapping.shape[1], cfg.d_model)))
+      g = drop(broadcast_param(mask_emb, (b, target_mapping.shape[1], cfg.d_model), cfg.compute_dtype))
 
     distances, _ = distance_table(t, m)  # [p]
     r = drop(relative_encoding(distances, cfg.d_model, clamp_len=clamp_len, sign=bi_sign))  # [b|1, p, e]

@@ -177,6 +177,13 @@ def _add_bias_bwd(bias, g):
 add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
 
 
+def broadcast_param(param: jax.Array, shape: tuple[int, ...], dtype: Dtype) -> jax.Array:
+  """param [*s] as an array of `shape` [..., *s] in `dtype` (XLNet's mask_emb for every slot),
+  its gradient summed over the new leading dims in float32 (`add_bias` onto zeros, which XLA
+  drops), where autodiff's broadcast would sum it in `dtype`."""
+  return add_bias(jnp.zeros(shape, dtype), param)
+
+
 class DenseGeneral(nn.Module):
   """y = x . W (+ b), contracting the last `len(in_shape)` dims of x.
 

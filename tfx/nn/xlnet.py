@@ -178,6 +178,29 @@ def segment_difference(token_types: jax.Array, mem_length: int) -> jax.Array:
   return token_types[:, :, None] != keys[:, None, :]
 
 
+@jax.custom_vjp
+def segment_scores(q: jax.Array, seg_embed: jax.Array) -> jax.Array:
+  """q [b, t, h, d] . seg_embed [k, h, d] -> [b, h, t, k] in q's dtype (seg_embed cast to it); the
+  gradient of seg_embed (a float32 parameter) is the float32 product, as `tfx.nn.layers.project`
+  gives every weight's."""
+  return jnp.einsum("bthd,khd->bhtk", q, seg_embed.astype(q.dtype))
+
+
+def _segment_scores_fwd(q, seg_embed):
+  return segment_scores(q, seg_embed), (q, seg_embed)
+
+
+def _segment_scores_bwd(residuals, g):
+  q, seg_embed = residuals  # g [b, h, t, k]
+  w = seg_embed.astype(q.dtype)
+  d_q = jax.vjp(lambda q: jnp.einsum("bthd,khd->bhtk", q, w), q)[1](g)[0]  # autodiff's, [b, t, h, d]
+  d_seg = jnp.einsum("bhtk,bthd->khd", g, q, preferred_element_type=seg_embed.dtype)
+  return d_q, d_seg
+
+
+segment_scores.defvjp(_segment_scores_fwd, _segment_scores_bwd)
+
+
 def relative_bias(q: jax.Array, k_r: jax.Array, biases: RelBiases, seg_embed: jax.Array,
                   seg_diff: jax.Array | None) -> jax.Array:
   """The position and segment terms of the unscaled scores, which attention adds to the content
@@ -195,7 +218,7 @@ def relative_bias(q: jax.Array, k_r: jax.Array, biases: RelBiases, seg_embed: ja
   bd = positional_scores(add_bias(q, biases.r_r), k_r)  # [b, h, t, s]
   if seg_diff is None:
     return bd
-  ef = jnp.einsum("bthd,khd->bhtk", add_bias(q, biases.r_s), seg_embed.astype(q.dtype))  # [b, h, t, 2]
+  ef = segment_scores(add_bias(q, biases.r_s), seg_embed)  # [b, h, t, 2]
   ef = ef.astype(jnp.float32)
   return bd + jnp.where(seg_diff[:, None], ef[..., 1:], ef[..., :1])
 

@@ -37,7 +37,7 @@ import optax
 
 from tfx import flops, ops
 from tfx.nn import DenseGeneral, Stack, make_norm
-from tfx.nn.layers import GATED, ModelConfig, activation
+from tfx.nn.layers import GATED, ModelConfig, activation, add_bias, project
 from tfx.objectives.base import Objective, Predictions, flat_positions, split_params
 from tfx.objectives.masked_lm import mask_tokens
 from tfx.registry import OBJECTIVES
@@ -79,8 +79,8 @@ class Generator(nn.Module):
     h = make_norm(cfg, "head_norm")(act(h))
     bias = self.param("output_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
                       (table.shape[0],), jnp.float32)
-    logits = jnp.einsum("bte,ve->btv", h.astype(cfg.compute_dtype), table.astype(cfg.compute_dtype))
-    return (logits + bias.astype(logits.dtype)).astype(jnp.float32)
+    logits = project(h.astype(cfg.compute_dtype), table, True)  # [b, t, v]; the table's gradient in float32
+    return add_bias(logits, bias).astype(jnp.float32)
 
 
 class DiscriminatorHead(nn.Module):
