@@ -53,6 +53,36 @@ def root() -> str:
   return ROOT
 
 
+SMALL_VOCAB = 1000
+TRAIN_BYTES = 500_000  # keeps each tokenizer training around 1.5 s
+
+
+@pytest.fixture(scope="session")
+def stdlib_corpus():
+  """The default offline corpus (the Python standard library's sources), loaded once."""
+  from tfx.data import load_documents
+
+  return load_documents("stdlib")
+
+
+@pytest.fixture(scope="session")
+def small_corpus(stdlib_corpus):
+  """The stdlib corpus's first 100 documents."""
+  from tfx.data import Corpus
+
+  n = 100
+  return Corpus(stdlib_corpus.documents[:n], stdlib_corpus.names[:n], {}, "stdlib")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory, small_corpus):
+  """A SMALL_VOCAB sentencepiece model trained on `small_corpus` (seed 0), for the data tests."""
+  from tfx.data import Tokenizer
+
+  path = str(tmp_path_factory.mktemp("tok") / "tokenizer.model")
+  return Tokenizer.train(small_corpus.documents, SMALL_VOCAB, path, seed=0, max_bytes=TRAIN_BYTES)
+
+
 @pytest.fixture(scope="session")
 def shared_tokenizer(tmp_path_factory) -> str:
   """A sentencepiece model trained once on configs/tiny.py's corpus, for tests that do not
