@@ -5,6 +5,7 @@ import os
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -327,7 +328,7 @@ def test_peer_bench_counts_flops_again_only_for_a_loop():
   assert peer.has_loop(looped) and not peer.has_loop(straight)
 
 
-def test_profile_traces_steps_and_sums_kernels_by_kind(tmp_path):
+def test_profile_traces_steps_and_sums_kernels_by_kind(tmp_path, capsys):
   from tfx import bench_profile
 
   out = bench.benchmark(config(), steps=1, warmup=0, profile=str(tmp_path))
@@ -338,9 +339,44 @@ def test_profile_traces_steps_and_sums_kernels_by_kind(tmp_path):
   assert sum(k["ms_per_step"] for k in kinds.values()) == pytest.approx(summary["busy_ms_per_step"])
   assert all(k["once_a_step_ms"] <= k["ms_per_step"] for k in kinds.values())
   assert summary["top"] and "ms of kernels a step" in bench_profile.format_summary(summary)
+  # every kernel's time joined with the bytes tfx.bench_traffic counts for its HLO instruction
+  joined = summary["bytes"]
+  rows = joined["kernels"]
+  assert joined["matched_share"] > 0.9 and 0 < len(rows) <= bench_profile.KEPT_ROWS
+  assert [r["ms_per_step"] for r in rows] == sorted((r["ms_per_step"] for r in rows), reverse=True)
+  assert sum(r["ms_per_step"] for r in rows) <= summary["busy_ms_per_step"] * 1.001
+  moving = [r for r in rows if r["gb_per_step"] > 0]
+  assert moving and all(r["tb_per_s"] > 0 for r in moving)
+  assert any(r["kind"] == "matmul" and "dot_general" in r["op"] for r in rows)
+  hlo = tmp_path / bench_profile.HLO_FILE  # written beside the trace, so the CLI can read both again
+  assert "ENTRY" in hlo.read_text()
+  bench_profile.main([str(tmp_path), "--top", "3"])
+  printed = capsys.readouterr().out
+  assert "with their bytes" in printed and "TB/s" in printed
   json.dumps(out)
   with pytest.raises(FileNotFoundError, match="no .xplane.pb"):
     bench_profile.find_trace(str(tmp_path / "none"))
+
+
+def test_kernel_times_join_their_instructions_bytes_under_either_spelling():
+  """A device kernel is traced under its instruction (`hlo_op`) or, without one, under its symbol,
+  which spells the instruction's '.' as '_': both find the instruction's bytes."""
+  from tfx import bench_profile, bench_traffic
+
+  x = jax.ShapeDtypeStruct((256, 512), np.float32)
+  text = jax.jit(lambda a, b: jnp.tanh(a @ b.T) * 2.0).lower(x, x).compile().as_text()
+  kernels = {k.name: k for k in bench_traffic.kernels(text)}
+  dot = next(k for k in kernels.values() if k.kind == "matmul")
+  other = next(k for k in kernels.values() if k is not dot and k.read + k.written)
+  times = {dot.name: 6_000_000, other.name.replace(".", "_"): 3_000_000, "not_in_this_program": 1_000_000}
+  joined = bench_profile.join_bytes(times, text, steps=3, devices=1)
+  assert joined["matched_share"] == pytest.approx(0.9)
+  first, second = joined["kernels"]
+  assert (first["kernel"], second["kernel"]) == (dot.name, other.name)
+  assert first["ms_per_step"] == pytest.approx(2.0) and second["ms_per_step"] == pytest.approx(1.0)
+  assert first["gb_per_step"] == pytest.approx((dot.read + dot.written) / 1e9)
+  assert first["tb_per_s"] == pytest.approx((dot.read + dot.written) / 2e-3 / 1e12)
+  assert bench_profile.join_bytes(times, text, steps=3, devices=2)["kernels"][0]["ms_per_step"] == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("kernel, kind", [  # names from a GPT-2 step's trace on an H200

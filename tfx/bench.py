@@ -195,9 +195,15 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
     with jax.profiler.trace(profile):
       for _ in range(3):
         state, metrics = jax.block_until_ready(train_step(state, batch))
+    from etils import epath
+
     from tfx import bench_profile
 
-    summary = bench_profile.summarize(bench_profile.find_trace(profile))
+    hlo_text = executable.as_text()  # the optimized program, kept beside the trace for a later reading
+    if jax.process_index() == 0:
+      (epath.Path(profile) / bench_profile.HLO_FILE).write_text(hlo_text)
+    summary = bench_profile.summarize(bench_profile.find_trace(profile), hlo_text=hlo_text,
+                                      devices=jax.local_device_count())
     if jax.process_index() == 0:
       print(bench_profile.format_summary(summary), file=sys.stderr, flush=True)
   more = extra(exp, state, batch, frozen) if extra is not None else {}

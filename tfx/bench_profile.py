@@ -10,6 +10,14 @@ a multiple) are the layers'. Read with `jax.profiler.ProfileData`, so no TensorB
 
 On a CPU there is no device plane: the XLA:CPU thunks on the host's threads (events with an
 `hlo_op`) are summed instead, which is enough to test the plumbing, not to learn much.
+
+Given the compiled step's optimized HLO as well (`tfx.bench --profile` passes it), each HLO
+instruction's time (the kernels a trace attributes to it through their `hlo_op`) is joined with
+the bytes `tfx.bench_traffic` counts for it: per kernel, milliseconds, GB and the bandwidth it
+reached, the model operation it came from, sorted by time (`bandwidth`). Kernels far below the
+device's bandwidth are where a step's time goes beyond moving its bytes; those at it can only get
+faster by moving less. The table is kept whole in the benchmark's JSON, so that a device session's
+profile can be read again without the device.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from typing import Any
 
 KINDS = ("matmul", "attention", "triton", "copies", "xla fusions")
 CONTROL_FLOW = ("while", "conditional", "call")
+KEPT_ROWS = 200  # kernels kept by `bandwidth`, the heaviest (a GPT-2 step has about 1000)
+HLO_FILE = "step_after_optimizations.txt"  # the optimized HLO `tfx.bench --profile` writes beside its trace
 
 
 def kind_of(name: str) -> str:
@@ -78,8 +88,68 @@ def kernel_times(trace: str) -> tuple[dict[str, int], dict[str, int], str]:
   return total, calls, "host (XLA:CPU thunks)"
 
 
-def summarize(trace: str, steps: int = 3, top: int = 15) -> dict[str, Any]:
-  """Per-step milliseconds by kind, outside and inside the layers, and the `top` kernels."""
+def op_times(trace: str) -> dict[str, int]:
+  """{HLO instruction: total ns} over a trace: every kernel (device) or XLA:CPU thunk (host) summed
+  by its `hlo_op` stat. A device kernel without one counts under its own name, which for XLA's
+  fusions is the instruction's with '_' for '.' (`bandwidth` matches either spelling)."""
+  from jax.profiler import ProfileData
+
+  data = ProfileData.from_file(trace)
+  device = [plane for plane in data.planes if plane.name.startswith("/device:")]
+  planes = device if any(line.events for plane in device for line in plane.lines) else \
+      [plane for plane in data.planes if plane.name.startswith("/host:CPU")]
+  total: dict[str, int] = collections.Counter()
+  for plane in planes:
+    for line in plane.lines:
+      for event in line.events:
+        op = next((str(value) for key, value in event.stats if key == "hlo_op"), None)
+        op = op or (event.name if planes is device else None)
+        if op and not event.name.startswith(CONTROL_FLOW):
+          total[op] += int(event.duration_ns)
+  return total
+
+
+def _normal(name: str) -> str:
+  """An HLO name as a kernel's symbol spells it (PTX names have no '.')."""
+  return name.replace(".", "_").replace("-", "_")
+
+
+def bandwidth(trace: str, hlo_text: str, *, steps: int = 3, devices: int = 1) -> dict[str, Any]:
+  """Each kernel of a compiled step (`tfx.bench_traffic.kernels` of its optimized HLO) with the
+  time the trace gives its instruction: rows of {kernel, kind, op, ms_per_step, gb_per_step,
+  tb_per_s} by time, and `matched_share`, the part of the traced time that found its kernel.
+
+  `devices`: how many devices the trace ran the program on (their times are summed in it; the
+  HLO is one device's program)."""
+  return join_bytes(op_times(trace), hlo_text, steps=steps, devices=devices)
+
+
+def join_bytes(times: dict[str, int], hlo_text: str, *, steps: int, devices: int = 1) -> dict[str, Any]:
+  """`bandwidth` from {instruction or kernel symbol: ns} (`op_times`)."""
+  from tfx import bench_traffic
+
+  by_normal = collections.Counter()
+  for op, ns in times.items():
+    by_normal[_normal(op)] += ns
+  rows, matched = [], 0
+  for kernel in bench_traffic.kernels(hlo_text):
+    ns = times.get(kernel.name, 0) or by_normal.get(_normal(kernel.name), 0)
+    if not ns:
+      continue
+    matched += ns
+    ms = ns / steps / devices / 1e6
+    moved = kernel.count * (kernel.read + kernel.written)  # bytes a step
+    rows.append({"kernel": kernel.name, "kind": kernel.kind, "op": kernel.op, "ms_per_step": ms,
+                 "gb_per_step": moved / 1e9, "tb_per_s": moved / (ms * 1e-3) / 1e12 if ms else None})
+  rows.sort(key=lambda row: -row["ms_per_step"])
+  all_ns = sum(times.values())
+  return {"matched_share": matched / all_ns if all_ns else 0.0, "kernels": rows[:KEPT_ROWS]}
+
+
+def summarize(trace: str, steps: int = 3, top: int = 15, hlo_text: str | None = None,
+              devices: int = 1) -> dict[str, Any]:
+  """Per-step milliseconds by kind, outside and inside the layers, and the `top` kernels; with the
+  step's optimized HLO, also every kernel's bytes and bandwidth (`bandwidth`, under "bytes")."""
   total, calls, where = kernel_times(trace)
   all_ns = sum(total.values())
   by_kind = collections.Counter()
@@ -99,10 +169,11 @@ def summarize(trace: str, steps: int = 3, top: int = 15) -> dict[str, Any]:
       "top": [{"kernel": name, "kind": kind_of(name), "ms_per_step": per_step(ns),
                "calls_per_step": calls[name] / steps}
               for name, ns in sorted(total.items(), key=lambda item: -item[1])[:top]],
+      **({"bytes": bandwidth(trace, hlo_text, steps=steps, devices=devices)} if hlo_text else {}),
   }
 
 
-def format_summary(summary: dict[str, Any]) -> str:
+def format_summary(summary: dict[str, Any], top: int = 15) -> str:
   lines = [f"{summary['trace']}: {summary['busy_ms_per_step']:.1f} ms of kernels a step ({summary['source']}, "
            f"{summary['steps']} steps)",
            f"{'kind':12s} {'ms/step':>8s} {'share':>6s} {'of which once a step':>21s}"]
@@ -111,6 +182,14 @@ def format_summary(summary: dict[str, Any]) -> str:
   lines.append("top kernels:")
   for row in summary["top"]:
     lines.append(f"  {row['ms_per_step']:7.2f} ms  x{row['calls_per_step']:<5g} {row['kind']:12s} {row['kernel'][:90]}")
+  if "bytes" in summary:
+    joined = summary["bytes"]
+    lines.append(f"the heaviest HLO kernels with their bytes ({100 * joined['matched_share']:.0f}% of the time "
+                 f"found its kernel):")
+    for row in joined["kernels"][:top]:
+      rate = f"{row['tb_per_s']:6.2f} TB/s" if row["tb_per_s"] is not None else " " * 11
+      lines.append(f"  {row['ms_per_step']:7.2f} ms {1e3 * row['gb_per_step']:8.1f} MB {rate}  {row['kind']:9s} "
+                   f"{row['kernel'][:36]:36s} {row['op'][-60:]}")
   return "\n".join(lines)
 
 
@@ -119,12 +198,22 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("trace", help="a .xplane.pb, or the folder `tfx.bench --profile` wrote")
   parser.add_argument("--steps", type=int, default=3, help="steps in the trace (tfx.bench --profile traces 3)")
   parser.add_argument("--top", type=int, default=15, help="kernels listed")
+  parser.add_argument("--hlo", help="the step's optimized HLO text, to join kernels with their bytes (default: "
+                                    f"{HLO_FILE} in the trace folder, where tfx.bench --profile writes it)")
+  parser.add_argument("--devices", type=int, default=1, help="devices the traced program ran on")
   args = parser.parse_args(argv)
   try:
     trace = find_trace(args.trace)
   except FileNotFoundError as e:
     sys.exit(f"tfx.bench_profile: {e}")
-  print(format_summary(summarize(trace, steps=args.steps, top=args.top)))
+  from etils import epath
+
+  hlo = epath.Path(args.hlo) if args.hlo else epath.Path(args.trace) / HLO_FILE
+  if args.hlo and not hlo.is_file():
+    sys.exit(f"tfx.bench_profile: --hlo {args.hlo} is not a file")
+  text = hlo.read_text() if hlo.is_file() else None
+  print(format_summary(summarize(trace, steps=args.steps, top=args.top, hlo_text=text, devices=args.devices),
+                       top=args.top))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@
 #                folder in TFX_GPU_BASELINE (`git archive REV tfx configs | tar -x -C DIR`):
 #                its program against this one's on the same machine
 #   profile      three steps of each suite model traced (OUT/profile/<model>) and their   300 s
-#                kernels summed by kind (python -m tfx.bench_profile)
+#                kernels summed by kind (python -m tfx.bench_profile); each HLO kernel's time
+#                joined with its bytes (ms, GB, TB/s: profile.json's profile.bytes)
 #   peer         tfx against Hugging Face's Flax GPT-2, BERT and T5 on the GPU, side by   330 s
 #                side (benchmarks/hf_flax/bench_peer.py: bf16, the `base` size, tfx's
 #                layers unrolled as in the suite; OUT/peer.json). transformers 4.57.6 and
