@@ -348,6 +348,8 @@ def test_profile_traces_steps_and_sums_kernels_by_kind(tmp_path, capsys):
   moving = [r for r in rows if r["gb_per_step"] > 0]
   assert moving and all(r["tb_per_s"] > 0 for r in moving)
   assert any(r["kind"] == "matmul" and "dot_general" in r["op"] for r in rows)
+  outside = joined["outside_layers"]  # the head's matmul at least
+  assert 0 < outside["ms_per_step"] < summary["busy_ms_per_step"] and outside["gb_per_step"] > 0
   hlo = tmp_path / bench_profile.HLO_FILE  # written beside the trace, so the CLI can read both again
   assert "ENTRY" in hlo.read_text()
   bench_profile.main([str(tmp_path), "--top", "3"])

@@ -117,7 +117,10 @@ def _normal(name: str) -> str:
 def bandwidth(trace: str, hlo_text: str, *, steps: int = 3, devices: int = 1) -> dict[str, Any]:
   """Each kernel of a compiled step (`tfx.bench_traffic.kernels` of its optimized HLO) with the
   time the trace gives its instruction: rows of {kernel, kind, op, ms_per_step, gb_per_step,
-  tb_per_s} by time, and `matched_share`, the part of the traced time that found its kernel.
+  tb_per_s} by time, `matched_share` (the part of the traced time that found its kernel) and
+  `outside_layers` (the time and bytes of kernels whose model op is not in the layers: embedding,
+  head, loss, optimizer; by the op, not by how often a kernel ran, which in an unrolled stack does
+  not tell a layer's kernel from the head's).
 
   `devices`: how many devices the trace ran the program on (their times are summed in it; the
   HLO is one device's program)."""
@@ -143,7 +146,11 @@ def join_bytes(times: dict[str, int], hlo_text: str, *, steps: int, devices: int
                  "gb_per_step": moved / 1e9, "tb_per_s": moved / (ms * 1e-3) / 1e12 if ms else None})
   rows.sort(key=lambda row: -row["ms_per_step"])
   all_ns = sum(times.values())
-  return {"matched_share": matched / all_ns if all_ns else 0.0, "kernels": rows[:KEPT_ROWS]}
+  outside = [row for row in rows if "/layers/" not in row["op"]]  # embedding, head, loss, optimizer
+  return {"matched_share": matched / all_ns if all_ns else 0.0,
+          "outside_layers": {"ms_per_step": sum(row["ms_per_step"] for row in outside),
+                             "gb_per_step": sum(row["gb_per_step"] for row in outside)},
+          "kernels": rows[:KEPT_ROWS]}
 
 
 def summarize(trace: str, steps: int = 3, top: int = 15, hlo_text: str | None = None,
@@ -185,7 +192,8 @@ def format_summary(summary: dict[str, Any], top: int = 15) -> str:
   if "bytes" in summary:
     joined = summary["bytes"]
     lines.append(f"the heaviest HLO kernels with their bytes ({100 * joined['matched_share']:.0f}% of the time "
-                 f"found its kernel):")
+                 f"found its kernel; outside the layers {joined['outside_layers']['ms_per_step']:.2f} ms, "
+                 f"{joined['outside_layers']['gb_per_step']:.2f} GB):")
     for row in joined["kernels"][:top]:
       rate = f"{row['tb_per_s']:6.2f} TB/s" if row["tb_per_s"] is not None else " " * 11
       lines.append(f"  {row['ms_per_step']:7.2f} ms {1e3 * row['gb_per_step']:8.1f} MB {rate}  {row['kind']:9s} "
