@@ -16,8 +16,8 @@ instruction's time (the kernels a trace attributes to it through their `hlo_op`)
 the bytes `tfx.bench_traffic` counts for it: per kernel, milliseconds, GB and the bandwidth it
 reached, the model operation it came from, sorted by time (`bandwidth`). Kernels far below the
 device's bandwidth are where a step's time goes beyond moving its bytes; those at it can only get
-faster by moving less. The table is kept whole in the benchmark's JSON, so that a device session's
-profile can be read again without the device.
+faster by moving less. Its 200 longest kernels go into the benchmark's JSON and the HLO beside the
+trace, so that a device session's profile can be read again without the device.
 """
 
 from __future__ import annotations
