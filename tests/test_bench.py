@@ -381,6 +381,35 @@ def test_kernel_times_join_their_instructions_bytes_under_either_spelling():
   assert bench_profile.join_bytes(times, text, steps=3, devices=2)["kernels"][0]["ms_per_step"] == pytest.approx(1.0)
 
 
+TPU_TRACE = """
+planes { id: 1 name: "/device:TPU:0"
+  lines { id: 1 name: "XLA Modules" events { metadata_id: 1 offset_ps: 0 duration_ps: 10000000 } }
+  lines { id: 2 name: "XLA Ops"
+    events { metadata_id: 2 offset_ps: 0 duration_ps: 4000000 }
+    events { metadata_id: 3 offset_ps: 4000000 duration_ps: 6000000 stats { metadata_id: 9 str_value: "fusion.3" } } }
+  event_metadata { key: 1 value { id: 1 name: "jit_step_fn(1)" } }
+  event_metadata { key: 2 value { id: 2 name: "fusion.2" } }
+  event_metadata { key: 3 value { id: 3 name: "fusion.3" } }
+  stat_metadata { key: 9 value { id: 9 name: "hlo_op" } }
+}
+"""
+
+
+def test_a_tpu_trace_counts_each_op_once(tmp_path):
+  """A TPU's device plane has its ops on the "XLA Ops" line beside lines that span them (the
+  module, the steps): only the ops are summed, under their instruction names."""
+  from jax.profiler import ProfileData
+
+  from tfx import bench_profile
+
+  path = tmp_path / "vm.xplane.pb"
+  path.write_bytes(ProfileData.text_proto_to_serialized_xspace(TPU_TRACE))
+  total, calls, where = bench_profile.kernel_times(str(path))
+  assert where == "device" and dict(total) == {"fusion.2": 4000, "fusion.3": 6000}
+  assert dict(bench_profile.op_times(str(path))) == {"fusion.2": 4000, "fusion.3": 6000}
+  assert bench_profile.summarize(str(path), steps=1)["busy_ms_per_step"] == pytest.approx(0.01)
+
+
 @pytest.mark.parametrize("kernel, kind", [  # names from a GPT-2 step's trace on an H200
     ("nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_splitK_NTN", "matmul"),
     ("gemm_fusion_dot_general_30", "matmul"),

@@ -8,7 +8,8 @@ work and reductions: norms, activations, the loss, the optimizer). Kernels that 
 are outside the scanned layers (embedding, head, loss, optimizer); those run once per layer (or
 a multiple) are the layers'. Read with `jax.profiler.ProfileData`, so no TensorBoard is needed.
 
-On a CPU there is no device plane: the XLA:CPU thunks on the host's threads (events with an
+On a TPU only the device plane's "XLA Ops" line is read (its other lines span the ops). On a CPU
+there is no device plane: the XLA:CPU thunks on the host's threads (events with an
 `hlo_op`) are summed instead, which is enough to test the plumbing, not to learn much.
 
 Given the compiled step's optimized HLO as well (`tfx.bench --profile` passes it), each HLO
@@ -30,7 +31,8 @@ from typing import Any
 KINDS = ("matmul", "attention", "triton", "copies", "xla fusions")
 CONTROL_FLOW = ("while", "conditional", "call")
 KEPT_ROWS = 200  # kernels kept by `bandwidth`, the heaviest (a GPT-2 step has about 1000)
-HLO_FILE = "step_after_optimizations.txt"  # the optimized HLO `tfx.bench --profile` writes beside its trace
+HLO_FILE = "step_after_optimizations.txt"
+TPU_OPS_LINE = "XLA Ops"  # a TPU device plane's line of ops (beside "XLA Modules", "Steps", ...)  # the optimized HLO `tfx.bench --profile` writes beside its trace
 
 
 def kind_of(name: str) -> str:
@@ -61,6 +63,14 @@ def find_trace(path: str) -> str:
   return str(found[-1])
 
 
+def device_lines(plane) -> list:
+  """The lines of a device plane whose events are the kernels, each once. A GPU's plane has a line
+  per stream, all of them kernels. A TPU's has the ops on its "XLA Ops" line beside lines that span
+  them ("XLA Modules", "Steps"): only that line, or every op would be counted two or three times."""
+  ops = [line for line in plane.lines if line.name == TPU_OPS_LINE]
+  return ops or list(plane.lines)
+
+
 def kernel_times(trace: str) -> tuple[dict[str, int], dict[str, int], str]:
   """({kernel name: total ns}, {kernel name: calls}, where) over a trace: the device planes'
   kernels, or on a CPU the host's XLA thunks."""
@@ -71,7 +81,7 @@ def kernel_times(trace: str) -> tuple[dict[str, int], dict[str, int], str]:
   calls: dict[str, int] = collections.Counter()
   for plane in data.planes:
     if plane.name.startswith("/device:"):
-      for line in plane.lines:
+      for line in device_lines(plane):
         for event in line.events:
           total[event.name] += int(event.duration_ns)
           calls[event.name] += 1
@@ -100,7 +110,7 @@ def op_times(trace: str) -> dict[str, int]:
       [plane for plane in data.planes if plane.name.startswith("/host:CPU")]
   total: dict[str, int] = collections.Counter()
   for plane in planes:
-    for line in plane.lines:
+    for line in (device_lines(plane) if planes is device else plane.lines):
       for event in line.events:
         op = next((str(value) for key, value in event.stats if key == "hlo_op"), None)
         op = op or (event.name if planes is device else None)
