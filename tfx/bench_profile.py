@@ -71,52 +71,56 @@ def device_lines(plane) -> list:
   return ops or list(plane.lines)
 
 
-def kernel_times(trace: str) -> tuple[dict[str, int], dict[str, int], str]:
-  """({kernel name: total ns}, {kernel name: calls}, where) over a trace: the device planes'
-  kernels, or on a CPU the host's XLA thunks."""
+def trace_times(trace: str) -> tuple[dict[str, int], dict[str, int], dict[str, int], str]:
+  """One pass over a trace: ({kernel name: total ns}, {kernel name: calls}, {HLO instruction: total
+  ns}, where). The kernels are the device planes' (`device_lines`) or, on a CPU, the host's XLA
+  thunks (events with an `hlo_op`; control flow, a scan's while loop, spans the thunks it runs and
+  is counted through them). A kernel's instruction is its `hlo_op` stat; a device kernel without
+  one counts under its own name, which for XLA's fusions is the instruction's with '_' for '.'
+  (`join_bytes` matches either spelling)."""
   from jax.profiler import ProfileData
 
   data = ProfileData.from_file(trace)
   total: dict[str, int] = collections.Counter()
   calls: dict[str, int] = collections.Counter()
+  by_op: dict[str, int] = collections.Counter()
+
+  def count(event, op) -> None:
+    ns = int(event.duration_ns)
+    total[event.name] += ns
+    calls[event.name] += 1
+    by_op[op] += ns
+
   for plane in data.planes:
     if plane.name.startswith("/device:"):
       for line in device_lines(plane):
         for event in line.events:
-          total[event.name] += int(event.duration_ns)
-          calls[event.name] += 1
+          count(event, _hlo_op(event) or event.name)
   if total:
-    return total, calls, "device"
+    return total, calls, by_op, "device"
   for plane in data.planes:
     if plane.name.startswith("/host:CPU"):
       for line in plane.lines:
         for event in line.events:
-          # control flow (a scan's while loop) spans the thunks it runs: counted through them
-          if any(key == "hlo_op" for key, _ in event.stats) and not event.name.startswith(CONTROL_FLOW):
-            total[event.name] += int(event.duration_ns)
-            calls[event.name] += 1
-  return total, calls, "host (XLA:CPU thunks)"
+          op = _hlo_op(event)
+          if op and not event.name.startswith(CONTROL_FLOW):
+            count(event, op)
+  return total, calls, by_op, "host (XLA:CPU thunks)"
+
+
+def _hlo_op(event) -> str | None:
+  return next((str(value) for key, value in event.stats if key == "hlo_op"), None)
+
+
+def kernel_times(trace: str) -> tuple[dict[str, int], dict[str, int], str]:
+  """({kernel name: total ns}, {kernel name: calls}, where) over a trace (`trace_times`)."""
+  total, calls, _, where = trace_times(trace)
+  return total, calls, where
 
 
 def op_times(trace: str) -> dict[str, int]:
-  """{HLO instruction: total ns} over a trace: every kernel (device) or XLA:CPU thunk (host) summed
-  by its `hlo_op` stat. A device kernel without one counts under its own name, which for XLA's
-  fusions is the instruction's with '_' for '.' (`bandwidth` matches either spelling)."""
-  from jax.profiler import ProfileData
-
-  data = ProfileData.from_file(trace)
-  device = [plane for plane in data.planes if plane.name.startswith("/device:")]
-  planes = device if any(line.events for plane in device for line in plane.lines) else \
-      [plane for plane in data.planes if plane.name.startswith("/host:CPU")]
-  total: dict[str, int] = collections.Counter()
-  for plane in planes:
-    for line in (device_lines(plane) if planes is device else plane.lines):
-      for event in line.events:
-        op = next((str(value) for key, value in event.stats if key == "hlo_op"), None)
-        op = op or (event.name if planes is device else None)
-        if op and not event.name.startswith(CONTROL_FLOW):
-          total[op] += int(event.duration_ns)
-  return total
+  """{HLO instruction: total ns} over a trace (`trace_times`)."""
+  return trace_times(trace)[2]
 
 
 def _normal(name: str) -> str:
@@ -167,7 +171,7 @@ def summarize(trace: str, steps: int = 3, top: int = 15, hlo_text: str | None = 
               devices: int = 1) -> dict[str, Any]:
   """Per-step milliseconds by kind, outside and inside the layers, and the `top` kernels; with the
   step's optimized HLO, also every kernel's bytes and bandwidth (`bandwidth`, under "bytes")."""
-  total, calls, where = kernel_times(trace)
+  total, calls, by_op, where = trace_times(trace)
   all_ns = sum(total.values())
   by_kind = collections.Counter()
   once = collections.Counter()  # kernels called at most once a step: outside the scanned layers
@@ -186,7 +190,7 @@ def summarize(trace: str, steps: int = 3, top: int = 15, hlo_text: str | None = 
       "top": [{"kernel": name, "kind": kind_of(name), "ms_per_step": per_step(ns),
                "calls_per_step": calls[name] / steps}
               for name, ns in sorted(total.items(), key=lambda item: -item[1])[:top]],
-      **({"bytes": bandwidth(trace, hlo_text, steps=steps, devices=devices)} if hlo_text else {}),
+      **({"bytes": join_bytes(by_op, hlo_text, steps=steps, devices=devices)} if hlo_text else {}),
   }
 
 
