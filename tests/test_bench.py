@@ -360,7 +360,7 @@ def test_profile_traces_steps_and_sums_kernels_by_kind(tmp_path, capsys):
     bench_profile.find_trace(str(tmp_path / "none"))
 
 
-def test_kernel_times_join_their_instructions_bytes_under_either_spelling():
+def test_join_bytes_matches_kernels_to_instructions_under_either_spelling():
   """A device kernel is traced under its instruction (`hlo_op`) or, without one, under its symbol,
   which spells the instruction's '.' as '_': both find the instruction's bytes."""
   from tfx import bench_profile, bench_traffic
@@ -404,9 +404,9 @@ def test_a_tpu_trace_counts_each_op_once(tmp_path):
 
   path = tmp_path / "vm.xplane.pb"
   path.write_bytes(ProfileData.text_proto_to_serialized_xspace(TPU_TRACE))
-  total, calls, where = bench_profile.kernel_times(str(path))
+  total, calls, by_op, where = bench_profile.trace_times(str(path))
   assert where == "device" and dict(total) == {"fusion.2": 4000, "fusion.3": 6000}
-  assert dict(bench_profile.op_times(str(path))) == {"fusion.2": 4000, "fusion.3": 6000}
+  assert dict(by_op) == {"fusion.2": 4000, "fusion.3": 6000}
   assert bench_profile.summarize(str(path), steps=1)["busy_ms_per_step"] == pytest.approx(0.01)
 
 

@@ -15,7 +15,7 @@ there is no device plane: the XLA:CPU thunks on the host's threads (events with 
 Given the compiled step's optimized HLO as well (`tfx.bench --profile` passes it), each HLO
 instruction's time (the kernels a trace attributes to it through their `hlo_op`) is joined with
 the bytes `tfx.bench_traffic` counts for it: per kernel, milliseconds, GB and the bandwidth it
-reached, the model operation it came from, sorted by time (`bandwidth`). Kernels far below the
+reached, the model operation it came from, sorted by time (`join_bytes`). Kernels far below the
 device's bandwidth are where a step's time goes beyond moving its bytes; those at it can only get
 faster by moving less. Its 200 longest kernels go into the benchmark's JSON and the HLO beside the
 trace, so that a device session's profile can be read again without the device.
@@ -30,9 +30,9 @@ from typing import Any
 
 KINDS = ("matmul", "attention", "triton", "copies", "xla fusions")
 CONTROL_FLOW = ("while", "conditional", "call")
-KEPT_ROWS = 200  # kernels kept by `bandwidth`, the heaviest (a GPT-2 step has about 1000)
-HLO_FILE = "step_after_optimizations.txt"
-TPU_OPS_LINE = "XLA Ops"  # a TPU device plane's line of ops (beside "XLA Modules", "Steps", ...)  # the optimized HLO `tfx.bench --profile` writes beside its trace
+KEPT_ROWS = 200  # kernels kept by `join_bytes`, the heaviest (a GPT-2 step has about 1000)
+HLO_FILE = "step_after_optimizations.txt"  # the optimized HLO `tfx.bench --profile` writes beside its trace
+TPU_OPS_LINE = "XLA Ops"  # a TPU device plane's line of ops (beside "XLA Modules", "Steps", ...)
 
 
 def kind_of(name: str) -> str:
@@ -112,37 +112,21 @@ def _hlo_op(event) -> str | None:
   return next((str(value) for key, value in event.stats if key == "hlo_op"), None)
 
 
-def kernel_times(trace: str) -> tuple[dict[str, int], dict[str, int], str]:
-  """({kernel name: total ns}, {kernel name: calls}, where) over a trace (`trace_times`)."""
-  total, calls, _, where = trace_times(trace)
-  return total, calls, where
-
-
-def op_times(trace: str) -> dict[str, int]:
-  """{HLO instruction: total ns} over a trace (`trace_times`)."""
-  return trace_times(trace)[2]
-
-
 def _normal(name: str) -> str:
-  """An HLO name as a kernel's symbol spells it (PTX names have no '.')."""
+  """An HLO name as a kernel's symbol spells it (PTX names have '_' for '.' and '-')."""
   return name.replace(".", "_").replace("-", "_")
 
 
-def bandwidth(trace: str, hlo_text: str, *, steps: int = 3, devices: int = 1) -> dict[str, Any]:
+def join_bytes(times: dict[str, int], hlo_text: str, *, steps: int, devices: int = 1) -> dict[str, Any]:
   """Each kernel of a compiled step (`tfx.bench_traffic.kernels` of its optimized HLO) with the
-  time the trace gives its instruction: rows of {kernel, kind, op, ms_per_step, gb_per_step,
-  tb_per_s} by time, `matched_share` (the part of the traced time that found its kernel) and
-  `outside_layers` (the time and bytes of kernels whose model op is not in the layers: embedding,
-  head, loss, optimizer; by the op, not by how often a kernel ran, which in an unrolled stack does
-  not tell a layer's kernel from the head's).
+  time `times` ({instruction or kernel symbol: ns}, `trace_times`) gives it: rows of {kernel, kind,
+  op, ms_per_step, gb_per_step, tb_per_s} by time, `matched_share` (the part of the traced time
+  that found its kernel) and `outside_layers` (the time and bytes of kernels whose model op is not
+  in the layers: embedding, head, loss, optimizer; by the op, not by how often a kernel ran, which
+  in an unrolled stack does not tell a layer's kernel from the head's).
 
   `devices`: how many devices the trace ran the program on (their times are summed in it; the
   HLO is one device's program)."""
-  return join_bytes(op_times(trace), hlo_text, steps=steps, devices=devices)
-
-
-def join_bytes(times: dict[str, int], hlo_text: str, *, steps: int, devices: int = 1) -> dict[str, Any]:
-  """`bandwidth` from {instruction or kernel symbol: ns} (`op_times`)."""
   from tfx import bench_traffic
 
   by_normal = collections.Counter()
@@ -170,7 +154,7 @@ def join_bytes(times: dict[str, int], hlo_text: str, *, steps: int, devices: int
 def summarize(trace: str, steps: int = 3, top: int = 15, hlo_text: str | None = None,
               devices: int = 1) -> dict[str, Any]:
   """Per-step milliseconds by kind, outside and inside the layers, and the `top` kernels; with the
-  step's optimized HLO, also every kernel's bytes and bandwidth (`bandwidth`, under "bytes")."""
+  step's optimized HLO, also every kernel's bytes and bandwidth (`join_bytes`, under "bytes")."""
   total, calls, by_op, where = trace_times(trace)
   all_ns = sum(total.values())
   by_kind = collections.Counter()
