@@ -318,6 +318,20 @@ def test_peer_bench_ratio_is_paired_with_an_interval():
   assert "| 100 / 200 | 0.50x (0.45-0.55) | 1.0 / 2.0 | 0.50x |" in peer.table([row])
 
 
+def test_peer_bench_layers_replace_a_size_depth_and_bad_arguments_stop_first():
+  """`--layers` runs a size at other depths (its width, rows and vocabulary kept; T5's encoder and
+  decoder both), and unknown names or depths stop the run before any model is built."""
+  peer = _bench_peer()
+  assert peer.size_spec("small") == peer.SIZES["small"]
+  assert peer.size_spec("small", 8) == (8, *peer.SIZES["small"][1:])
+  t5 = peer.tfx_config("t5", "small", layers=6)
+  assert (t5.model.num_layers, t5.model.num_decoder_layers, t5.model.d_model) == (6, 6, peer.SIZES["small"][1])
+  for argv, message in ((["--sizes", "tiny"], "unknown size 'tiny'"), (["--models", "llama"], "unknown model 'llama'"),
+                        (["--layers", "4,0"], "--layers needs counts >= 1"), (["--layers", "4;8"], "comma-separated")):
+    with pytest.raises(SystemExit, match=message):
+      peer.main(argv)
+
+
 def test_peer_bench_counts_flops_again_only_for_a_loop():
   """XLA's cost analysis counts a while loop's body once: the peer benchmark compiles tfx's step
   unscanned for its FLOPs only when the compiled step has a loop (a scan that XLA keeps)."""

@@ -2,8 +2,8 @@
 
     make bench-peer                                  # creates benchmarks/.venv-peer and runs this (CPU)
     benchmarks/.venv-peer/bin/python benchmarks/hf_flax/bench_peer.py [--models gpt2,bert,t5]
-        [--sizes small,medium,deep,base] [--dtype float32|bfloat16] [--reps 10] [--compiles 3]
-        [--json out.json]
+        [--sizes small,medium,deep,base] [--layers 2,4,8] [--dtype float32|bfloat16] [--reps 10]
+        [--compiles 3] [--json out.json]
 
 It runs on the first device JAX finds: `make bench-peer` pins it to the CPU (float32, the README's
 table); on a GPU, `--dtype bfloat16 --sizes base` (bf16 compute, float32 weights and optimizer on
@@ -91,9 +91,21 @@ def shim_flax_t5() -> None:
 EXTRA_OVERRIDES: list[str] = []  # --tfx-override: extra tfx config overrides (e.g. to compare settings)
 
 
-def tfx_config(model: str, size: str, *, scan: bool = True):
+def size_spec(size: str, layers: int | None = None) -> tuple[int, ...]:
+  """SIZES[size], with its number of layers replaced by `layers` when given (`--layers`)."""
+  if size not in SIZES:
+    raise SystemExit(f"unknown size {size!r}: one of {', '.join(SIZES)}")
+  spec = SIZES[size]
+  if layers is None:
+    return spec
+  if layers < 1:
+    raise SystemExit(f"--layers needs counts >= 1 (got {layers})")
+  return (layers, *spec[1:])
+
+
+def tfx_config(model: str, size: str, *, scan: bool = True, layers: int | None = None):
   path, extra = MODELS[model]
-  layers, d, heads, ff, seq, batch, vocab = SIZES[size]
+  layers, d, heads, ff, seq, batch, vocab = size_spec(size, layers)
   overrides = extra + [
       f"--config.model.num_layers={layers}", f"--config.model.d_model={d}", f"--config.model.num_heads={heads}",
       f"--config.model.d_ff={ff}", f"--config.data.seq_len={seq}", f"--config.train.batch_size={batch}",
@@ -162,10 +174,11 @@ def has_loop(compiled) -> bool:
   return any(" while(" in line for line in compiled.as_text().splitlines())
 
 
-def run_one(model: str, size: str, reps: int, log, *, dtype: str = "float32", compiles: int = 3) -> dict:
+def run_one(model: str, size: str, reps: int, log, *, dtype: str = "float32", compiles: int = 3,
+            layers: int | None = None) -> dict:
   import transformers
 
-  config = tfx_config(model, size)
+  config = tfx_config(model, size, layers=layers)
   exp = bench.build_experiment(config)
   seq_len, batch_size = config.data.seq_len, config.train.batch_size
   _, shardings = state_shardings(exp.model, exp.tx, exp.mesh, seq_len, exp.objective, batch_size)
@@ -192,7 +205,7 @@ def run_one(model: str, size: str, reps: int, log, *, dtype: str = "float32", co
     hf_c, s, hf_flops, hf_temp = compile_stats(hf_step, hf_state, batch)
     hf_compile.append(s)
   if has_loop(tfx_c):  # the layers' loop: count them from the same step unscanned
-    unrolled = bench.build_experiment(tfx_config(model, size, scan=False))
+    unrolled = bench.build_experiment(tfx_config(model, size, scan=False, layers=layers))
     abstract, unrolled_shardings = state_shardings(unrolled.model, unrolled.tx, unrolled.mesh, seq_len,
                                                    unrolled.objective, batch_size)
     with parallel.context(unrolled.mesh):
@@ -217,10 +230,10 @@ def run_one(model: str, size: str, reps: int, log, *, dtype: str = "float32", co
     hf_state, _ = jax.block_until_ready(hf_c(hf_state, batch))
     hf_times.append(time.perf_counter() - start)
 
-  layers, d, heads, ff, seq, b, vocab = SIZES[size]
+  layers, d, heads, ff, seq, b, vocab = size_spec(size, layers)
   ratio, low, high = paired_ratio(tfx_times, hf_times)
   return {
-      "model": model, "size": size, "hf_class": cls.__name__, "objective": config.objective.name,
+      "model": model, "size": size, "layers": layers, "hf_class": cls.__name__, "objective": config.objective.name,
       "shape": f"{layers}L d{d} h{heads} ff{ff}, {b}x{seq}, vocab {vocab}" + ("" if dtype == "float32" else f", {dtype}"),
       "device_kind": jax.devices()[0].device_kind, "dtype": dtype,
       "loss_tfx": tfx_loss, "loss_hf": hf_loss,
@@ -267,10 +280,23 @@ def main(argv=None) -> None:
   parser.add_argument("--compiles", type=int, default=3, help="fresh compiles per side (interleaved; median)")
   parser.add_argument("--dtype", default="float32", choices=sorted(LOSS_RTOL),
                       help="compute dtype of both sides (weights and optimizer stay float32)")
+  parser.add_argument("--layers", default=None,
+                      help="comma-separated layer counts run at each size in place of its own (e.g. 2,4,8: how "
+                           "compile time grows with depth); T5's encoder and decoder both")
   parser.add_argument("--json", default=None)
   parser.add_argument("--tfx-override", action="append", default=[],
                       help="a tfx config override for the tfx side, e.g. --tfx-override=--config.model.scan_layers=False")
   args = parser.parse_args(argv)
+  try:
+    depths = [None] if args.layers is None else [int(n) for n in args.layers.split(",")]
+  except ValueError:
+    raise SystemExit(f"--layers takes comma-separated layer counts, e.g. 2,4,8 (got {args.layers!r})") from None
+  for model in args.models.split(","):  # unknown names and bad depths stop here, before any model is built
+    if model not in MODELS:
+      raise SystemExit(f"unknown model {model!r}: one of {', '.join(MODELS)}")
+  for size in args.sizes.split(","):
+    for layers in depths:
+      size_spec(size, layers)
   if args.dtype != "float32":
     EXTRA_OVERRIDES.append(f"--config.model.dtype={args.dtype}")
   EXTRA_OVERRIDES.extend(args.tfx_override)
@@ -283,11 +309,12 @@ def main(argv=None) -> None:
   results = []
   for model in args.models.split(","):
     for size in args.sizes.split(","):
-      results.append(run_one(model, size, args.reps, log, dtype=args.dtype, compiles=args.compiles))
-      log(table(results[-1:]).splitlines()[-1])
-      if args.json:  # after every model: a run stopped at a time limit keeps the finished ones
-        with open(args.json, "w") as f:
-          json.dump(results, f, indent=2)
+      for layers in depths:
+        results.append(run_one(model, size, args.reps, log, dtype=args.dtype, compiles=args.compiles, layers=layers))
+        log(table(results[-1:]).splitlines()[-1])
+        if args.json:  # after every row: a run stopped at a time limit keeps the finished ones
+          with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
   print(table(results))
 
 
