@@ -169,12 +169,12 @@ def fake_model(length: int = 128):
   return model, params
 
 
-def real_encoder(length: int = 64):
+def real_encoder(length: int = 64, *overrides: str):
   """The real `encoder` family with a tiny config (once tfx/models/encoder.py exists)."""
   from tfx.models import build_model
 
   cfg = tiny_config("--config.model.family=encoder", "--config.model.num_layers=2", "--config.model.d_model=32",
-                    "--config.model.d_ff=64")
+                    "--config.model.d_ff=64", *overrides)
   model = build_model(cfg.model, vocab_size=IDS.vocab_size, max_length=length)
   params = nn.unbox(model.init(jax.random.key(0), **type(model).init_inputs(1, length))["params"])
   return model, params
@@ -223,13 +223,22 @@ def test_whole_words_stay_whole_under_the_cap():
   np.testing.assert_array_equal(selected, np.take_along_axis(selected, first, axis=1))
 
 
-@pytest.mark.parametrize("cap", [0, 12])
-def test_gathered_head_gives_the_dense_loss_and_gradients(cap):
-  """The loss with the MLM head on the gathered selected tokens is the loss with the head at
+@pytest.mark.parametrize("cap,model_overrides", [
+    (0, ()),
+    (12, ()),
+    (0, ("--config.model.scan_layers=False", "--config.model.num_layers=3")),
+    (0, ("--config.model.norm=pre", "--config.model.position=rotary", "--config.model.remat=dots_attention")),
+    (0, ("--config.model.scan_unroll=0", "--config.model.num_layers=1")),
+    (0, ("--config.model.position=relative",)),  # a bias: the last layer runs in full
+], ids=["scanned", "cap", "unscanned", "pre_rotary_remat", "one_layer", "relative"])
+def test_gathered_head_gives_the_dense_loss_and_gradients(cap, model_overrides):
+  """The loss with the MLM head on the gathered selected tokens (and the last layer's queries,
+  attention output and MLP there only: `Stack.last_layer_rows`) is the loss with the head at
   every position: value, accuracy, token count and every parameter's gradient; also where the
-  cap binds (max_predictions=12 at a 40% rate) and rows hold fewer selected tokens than slots."""
+  cap binds (max_predictions=12 at a 40% rate) and rows hold fewer selected tokens than slots;
+  scanned, unscanned, unrolled and one-layer stacks, pre- and post-LN."""
   t = 48
-  model, params = real_encoder(t)
+  model, params = real_encoder(t, *model_overrides)
   tokens, seg, pos = random_batch(np.random.default_rng(13), 6, t)
   batch = {"tokens": jnp.asarray(tokens), "segment_ids": jnp.asarray(seg), "positions": jnp.asarray(pos)}
   rng = jax.random.key(14)

@@ -1,5 +1,6 @@
 """Masks given as rows' lengths (`ops.LengthMask`, what cuDNN reads as sequence lengths) against the
-segment masks they stand for, and the objectives that promise rows of one segment each."""
+segment masks they stand for, and the objectives that promise rows of one segment each; a mask's
+query rows (`ops.mask_rows`)."""
 
 import jax
 import jax.numpy as jnp
@@ -165,3 +166,25 @@ def test_encoder_decoder_with_lengths_equals_packed_masks(monkeypatch):
   np.testing.assert_allclose(float(value), float(want_value), rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                                        rtol=1e-4, atol=1e-6), grads, want_grads)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_mask_rows_are_the_dense_masks_rows_in_every_form(causal):
+  """`mask_rows` of a `SegmentMask` with its array, without it (the segment-id kernels' form,
+  rebuilt from the rows' ids) and of the dense array: row i of the [b, 1, n, t] result is row
+  rows[:, i] of the [b, 1, t, t] mask, padding, repeats and causality included."""
+  rng = np.random.default_rng(3)
+  b, t, n = 4, 24, 7
+  ids = np.sort(rng.integers(0, 4, (b, t)), axis=1)[:, ::-1].copy()  # packed documents, then padding (0)
+  rows = jnp.asarray(rng.integers(0, t, (b, n)), jnp.int32)
+  rows = rows.at[:, 0].set(t - 1)  # a padding row in most
+  mask = ops.SegmentMask(jnp.asarray(ids), causal)
+  dense = np.asarray(mask.dense())  # [b, 1, t, t]
+  want = np.take_along_axis(dense, np.asarray(rows)[:, None, :, None], axis=2)
+  for form in (mask, mask.prebuilt(), mask.dense()):
+    got = np.asarray(ops.mask_rows(form, rows))
+    assert got.shape == (b, 1, n, t)
+    np.testing.assert_array_equal(got, want)
+  pad = ids[:, -1] == 0  # rows whose last position is padding: their first gathered row attends nothing
+  assert pad.any() and not want[pad][:, :, 0].any()
+  assert ops.mask_rows(None, rows) is None

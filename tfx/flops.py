@@ -75,17 +75,20 @@ def attention_flops(cfg, queries: int, keys: int) -> float:
   return 4 * e * a * (queries + keys) + 4 * queries * keys * a
 
 
-def row_forward_flops(cfg, length: int, outputs: int | None = None) -> float:
+def row_forward_flops(cfg, length: int, outputs: int | None = None, *, last_layer_queries: int | None = None) -> float:
   """Forward FLOPs of one row of `length` positions through one stack with full attention and
   the output projection (the encoder's MLM transform too) at `outputs` positions (default:
-  every position; fewer when masked LM gathers its selected tokens)."""
+  every position; fewer when masked LM gathers its selected tokens). `last_layer_queries`: the
+  last layer's queries, attention output and MLP run at that many positions only, its keys and
+  values at all (`tfx.nn.Stack`'s `rows`)."""
   e = cfg.d_model
   outputs = length if outputs is None else outputs
-  layer = attention_flops(cfg, length, length) + 2 * length * mlp_params(cfg)
+  layer = lambda queries: attention_flops(cfg, queries, length) + 2 * queries * mlp_params(cfg)
+  last = length if last_layer_queries is None else last_layer_queries
   head = 2 * outputs * e * cfg.vocab_size
   if getattr(cfg, "family", "") == "encoder":
     head += 2 * outputs * e * e  # MLM head transform
-  return cfg.num_layers * layer + head
+  return (cfg.num_layers - 1) * layer(length) + layer(last) + head
 
 
 def seq2seq_forward_flops(cfg, inputs: int, targets: int) -> float:

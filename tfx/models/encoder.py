@@ -48,7 +48,9 @@ class Encoder(Family):
   [b, t, v], or the final hidden states [b, t, e] with `return_hidden=True` (for heads such
   as `ClassifierHead`), or the embedding layer's output [b, t, e] (token + position + type
   embeddings, norm, dropout) with `return_embeddings=True` (ELECTRA's generator shares it).
-  `mask` [b, 1|h, t, t] replaces the default same-document mask.
+  `mask` [b, 1|h, t, t] replaces the default same-document mask. `rows` [b, n] int: the output
+  (logits or hidden states) at those positions only, [b, n, .]; the last layer then computes
+  nothing else (`Stack.last_layer_rows`: masked LM's selected tokens).
 
   `two_stream(...)`: XLNet's two-stream attention on this encoder, for permutation LM (see
   its docstring). Its only parameter beyond `__call__`'s is `mask_emb` [e], which `__call__`
@@ -65,11 +67,11 @@ class Encoder(Family):
     return self(tokens, segment_ids, positions, token_types=token_types, train=train, return_hidden=True)
 
   def __call__(self, tokens, segment_ids, positions, *, token_types=None, train: bool = False, mask=None,
-               return_hidden: bool = False, return_embeddings: bool = False):
+               return_hidden: bool = False, return_embeddings: bool = False, rows=None):
     if mask is None:
       mask = ops.self_attention_mask(segment_ids, causal=False, implementation=self.cfg.attention)  # ids (+ [b, 1, t, t])
     return self._encode(tokens, positions, mask, segment_ids, token_types=token_types, train=train,
-                        return_hidden=return_hidden, return_embeddings=return_embeddings)
+                        return_hidden=return_hidden, return_embeddings=return_embeddings, rows=rows)
 
   def mlm_head(self, hidden):
     """The MLM head alone on final hidden states (`return_hidden=True`'s output): [b, n, e] ->
@@ -111,7 +113,7 @@ class Encoder(Family):
   @nn.compact
   def _encode(self, tokens, positions, mask, segment_ids, *, token_types, train: bool, return_hidden: bool = False,
               return_embeddings: bool = False, query: QueryStream | None = None, slot_types=None,
-              head_input=None):
+              head_input=None, rows=None):
     """One stream (query None): [b, t] -> logits [b, t, v] or hidden [b, t, e]. Two streams:
     the query stream's logits [b, n, v]. mask: [b, 1|h, t, t] bool for the content stream.
     head_input [b, n, e]: skip the embeddings and the stack, only the MLM head on it."""
@@ -121,7 +123,7 @@ class Encoder(Family):
                           (cfg.d_model,), jnp.float32)  # [e], the query stream's input (two_stream only)
     if head_input is None:
       x = self._hidden(embed, mask_emb, tokens, positions, mask, segment_ids, token_types=token_types, train=train,
-                       return_embeddings=return_embeddings, query=query, slot_types=slot_types)
+                       return_embeddings=return_embeddings, query=query, slot_types=slot_types, rows=rows)
       if return_hidden or return_embeddings:
         return x
     else:
@@ -134,7 +136,7 @@ class Encoder(Family):
     return self.lm_head(embed, h, bias=True)
 
   def _hidden(self, embed, mask_emb, tokens, positions, mask, segment_ids, *, token_types, train: bool,
-              return_embeddings: bool, query: QueryStream | None, slot_types):
+              return_embeddings: bool, query: QueryStream | None, slot_types, rows=None):
     """`_encode` up to the MLM head (its submodules are named in `_encode`'s scope)."""
     cfg = self.cfg
     slots = None if query is None else Slots(mask_emb, query.positions, slot_types)
@@ -144,7 +146,12 @@ class Encoder(Family):
     stack = Stack(cfg, cfg.num_layers, deterministic=not train, name="encoder")
     if query is None:
       bias = self.relative_bias(positions, positions, bidirectional=True, name="relative_bias")
-      x = stack(x, mask, positions, segment_ids, bias)  # [b, t, e]
+      if rows is None:
+        x = stack(x, mask, positions, segment_ids, bias)  # [b, t, e]
+      elif bias is None:
+        x = stack(x, mask, positions, segment_ids, rows=rows)  # [b, n, e]
+      else:  # a relative-position bias: the last layer runs in full (a two-stream layer takes no bias)
+        x = jnp.take_along_axis(stack(x, mask, positions, segment_ids, bias), rows[..., None], axis=1)
     else:
       _, x = stack(x, mask, positions, segment_ids, query=query)  # the query stream, [b, n, e]
     if cfg.norm == "pre":

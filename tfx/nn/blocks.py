@@ -10,6 +10,7 @@ from typing import Callable, NamedTuple
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from tfx import ops
 from tfx.nn.attention import Attention
@@ -138,7 +139,11 @@ class Stack(nn.Module):
   cross: bool = False
 
   @nn.compact
-  def __call__(self, x, mask, positions, segment_ids, bias=None, encoded=None, cross_mask=None, query=None):
+  def __call__(self, x, mask, positions, segment_ids, bias=None, encoded=None, cross_mask=None, query=None,
+               rows=None):
+    """x [b, t, e] -> [b, t, e] (a two-stream pair with `query`). With `rows` [b, n] int (and
+    neither `query`, `bias` nor `cross`): [b, n, e], the last layer's output at those positions
+    only; see `last_layer_rows`."""
     cfg = self.cfg
     block = Block
     if cfg.remat != "none":
@@ -146,18 +151,64 @@ class Stack(nn.Module):
     args = (x, mask, positions, segment_ids, bias, encoded, cross_mask)
     if query is not None:
       args += (query,)
+    if rows is not None:
+      if query is not None or bias is not None or self.cross or self.decode:
+        raise ValueError("Stack(rows=...) runs a plain self-attention stack: no query stream, bias, "
+                         "cross-attention or KV cache")
+      if not self.is_initializing():
+        return self.last_layer_rows(block, args, rows)
     if cfg.scan_layers:
-      scanned = nn.scan(
-          block,
-          variable_axes={"params": 0, "cache": 0},
-          split_rngs={"params": True, "dropout": True},
-          in_axes=(nn.broadcast,) * (len(args) - 1),
-          length=self.num_layers,
-          unroll=cfg.scan_unroll or self.num_layers,
-          metadata_params={nn.PARTITION_NAME: "layers"},
-      )
-      x, _ = scanned(cfg, self.deterministic, self.decode, self.cross, name="layers")(*args)
+      x, _ = self._scanned(block, len(args), self.num_layers)(*args)
     else:
       for i in range(self.num_layers):
         x, _ = block(cfg, self.deterministic, self.decode, self.cross, name=f"layer_{i}")(x, *args[1:])
+    if rows is not None:  # initialisation: the parameters are the full stack's
+      x = jnp.take_along_axis(x, rows[..., None], axis=1)  # [b, n, e]
     return x
+
+  def last_layer_rows(self, block, args, rows):
+    """The stack's output at `rows` [b, n] only: the layers before the last run in full (every
+    position is a key or value of the next), the last one as a two-stream layer whose query stream
+    is the n rows (`Block`'s `query`): its keys and values come from every position, its queries,
+    attention output, MLP and norms run at the n rows alone, and nothing computes the other
+    positions' outputs. Exact: the same function as the full stack followed by a gather (MLM's
+    loss reads only the selected positions, `objective.gather_predictions`).
+
+    Scanned, the stacked parameters are cut into the first num_layers - 1 (scanned as before) and
+    the last (one block) with `nn.map_variables`, so the parameter tree is the full stack's."""
+    cfg, n_layers = self.cfg, self.num_layers
+    x, mask, positions, segment_ids = args[:4]
+    take = lambda a: jnp.take_along_axis(a, rows, axis=1)  # [b, t] -> [b, n]
+    query = QueryStream(ops.mask_rows(mask, rows), take(positions))
+    new = lambda b, name: b(cfg, self.deterministic, self.decode, self.cross, name=name)
+    if not cfg.scan_layers:
+      for i in range(n_layers - 1):
+        x, _ = new(block, f"layer_{i}")(x, *args[1:])
+      last = new(block, f"layer_{n_layers - 1}")
+    else:
+      def cut(index):
+        return lambda tree: jax.tree_util.tree_map(lambda a: a[index], tree)
+
+      if n_layers > 1:
+        first = lambda mdl, *a: mdl._scanned(block, len(a), n_layers - 1)(*a)
+        x, _ = nn.map_variables(first, "params", cut(slice(None, n_layers - 1)))(self, *args)
+      last = nn.map_variables(block, "params", cut(n_layers - 1))(
+          cfg, self.deterministic, self.decode, self.cross, name="layers")
+    g = jnp.take_along_axis(x, rows[..., None], axis=1)  # [b, n, e]
+    (_, g), _ = last((x, g), mask, positions, segment_ids, None, None, None, query)
+    return g  # [b, n, e]
+
+  def _scanned(self, block, n_args: int, length: int):
+    """`length` blocks scanned over stacked parameters (a `layers` axis), the first argument the
+    carry, the other `n_args - 1` the same for every layer."""
+    cfg = self.cfg
+    scanned = nn.scan(
+        block,
+        variable_axes={"params": 0, "cache": 0},
+        split_rngs={"params": True, "dropout": True},
+        in_axes=(nn.broadcast,) * (n_args - 1),
+        length=length,
+        unroll=cfg.scan_unroll or length,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
+    return scanned(cfg, self.deterministic, self.decode, self.cross, name="layers")

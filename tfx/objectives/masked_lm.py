@@ -232,7 +232,9 @@ class MaskedLM(Objective):
   max_predictions: int = 0
   # Run the MLM head (transform, vocabulary projection) only on the selected tokens, gathered into
   # max_predictions slots per row (BERT's gather_indexes), instead of at every position: same loss.
-  # Needs a model with `mlm_head` (the encoder family); others always run the head everywhere.
+  # The encoder's last layer then also runs its queries, attention output and MLP on those slots
+  # only (its keys and values at every position). Needs a model with `mlm_head` and `rows` (the
+  # encoder family); others always run the head everywhere.
   gather_predictions: bool = True
   word_start: tuple[bool, ...] | None = internal()
 
@@ -294,7 +296,9 @@ class MaskedLM(Objective):
     return self.prediction_slots(seq_len) if self.gather_predictions else seq_len
 
   def train_flops_per_row(self, model_cfg, seq_len: int) -> float:
-    return 3 * flops.row_forward_flops(model_cfg, seq_len, self.head_positions(seq_len))
+    head = self.head_positions(seq_len)
+    rows = head < seq_len and getattr(model_cfg, "family", "") == "encoder" and model_cfg.position != "relative"
+    return 3 * flops.row_forward_flops(model_cfg, seq_len, head, last_layer_queries=head if rows else None)
 
   def gather_slots(self, model, length: int) -> int | None:
     """The head's slots per row when the loss gathers the selected tokens (`gather_predictions`,
@@ -316,8 +320,23 @@ class MaskedLM(Objective):
 
   def loss(self, model, params, batch, rng, *, train):
     slots = self.gather_slots(model, batch["tokens"].shape[1])
-    out, targets, weights, _ = self._forward(model, params, batch, rng, train=train, hidden=slots is not None)
-    return self.mlm_loss(model, params, out, targets, weights, slots)
+    if slots is not None:
+      return self.rows_loss(model, params, batch, rng, slots, train=train)
+    out, targets, weights, _ = self._forward(model, params, batch, rng, train=train)
+    return self.mlm_loss(model, params, out, targets, weights, None)
+
+  def rows_loss(self, model, params, batch, rng, slots: int, *, train):
+    """The loss with the model run to its logits at each row's selected positions only
+    (`selected_positions`, `slots` per row): the head there, and the encoder's last layer
+    computes its queries, attention output and MLP there alone (`rows`, `Stack.last_layer_rows`).
+    The same loss as the head at every position (tests/test_masked_lm.py)."""
+    mask_rng, dropout_rng = jax.random.split(rng)
+    inputs, targets, weights = self.mask(batch, mask_rng)  # [b, t] each
+    where = selected_positions(weights, slots)  # [b, slots]
+    logits = model.apply({"params": params}, inputs, batch["segment_ids"], batch["positions"], train=train,
+                         rngs={"dropout": dropout_rng}, rows=where)  # [b, slots, v]
+    take = lambda a: jnp.take_along_axis(a, where, axis=1)
+    return ops.weighted_cross_entropy(logits, take(targets), take(weights), z_loss=self.z_loss)
 
   def predictions(self, model, params, batch, rng):
     """A selected token is predicted from its document; the kept ones (selected, left as they are)

@@ -15,6 +15,7 @@ from tfx.ops.masks import (
     causal_mask,
     decoder_mask,
     dense_mask,
+    mask_rows,
     padding_mask,
     prefix_lm_mask,
     rows_attend,

@@ -185,3 +185,17 @@ def dense_mask(mask: "jax.Array | SegmentMask | LengthMask | None") -> jax.Array
   """[b, 1|h, t, s] bool, or None: a `SegmentMask` or `LengthMask` as its array, any other mask
   unchanged."""
   return mask.dense() if isinstance(mask, (SegmentMask, LengthMask)) else mask
+
+
+def mask_rows(mask: "jax.Array | SegmentMask | LengthMask | None", rows: jax.Array) -> jax.Array | None:
+  """Query rows `rows` [b, n] int of a mask over [b, t] queries: [b, 1|h, n, s] bool (None: None).
+  A `SegmentMask` without its array is rebuilt from the rows' ids, not gathered from [b, 1, t, t]."""
+  if mask is None:
+    return None
+  if isinstance(mask, SegmentMask) and mask.array is None:
+    ids = mask.segment_ids  # [b, t]
+    out = segment_mask(jnp.take_along_axis(ids, rows, axis=1), ids)  # [b, 1, n, t]
+    if mask.causal:
+      out = out & (jnp.arange(ids.shape[1])[None, None, None, :] <= rows[:, None, :, None])
+    return out
+  return jnp.take_along_axis(dense_mask(mask), rows[:, None, :, None], axis=2)
