@@ -13,6 +13,7 @@ from tfx import bench, flops
 from tfx.config import load_config
 from tfx.errors import UserError
 from tfx.models import build_model
+from tfx.objectives.base import OBJECTIVE_PARAMS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config.model.num_layers=2", "--config.model.d_model=64", "--config.model.d_ff=128",
@@ -160,13 +161,14 @@ XLNET = ["--config.model.family=xlnet", "--config.objective.name=permutation_lm"
 @pytest.mark.parametrize("overrides", [
     [],
     ["--config.model.family=encoder", "--config.objective.name=masked_lm"],
+    ["--config.model.family=encoder", "--config.objective.name=sop"],
     ["--config.model.family=encoder_decoder", "--config.objective.name=span_corruption",
      "--config.model.position=relative", "--config.model.num_heads=6", "--config.model.head_dim=16"],  # 96 wide
     XLNET,
     XLNET + ["--config.model.mem_len=32", "--config.model.reuse_len=32"],
     ["--config.model.family=encoder", "--config.objective.name=permutation_lm", "--config.model.type_vocab_size=3",
      "--config.objective.reuse_len=32", "--config.objective.perm_size=32"],
-], ids=["decoder_clm", "encoder_mlm", "t5_spans", "xlnet", "xlnet_memory", "encoder_plm"])
+], ids=["decoder_clm", "encoder_mlm", "encoder_sop", "t5_spans", "xlnet", "xlnet_memory", "encoder_plm"])
 def test_objective_flops_match_xla_cost_analysis(overrides):
   """Each objective's analytic forward count (train_flops_per_row / 3) against XLA's own count
   of the compiled loss: only elementwise work (norms, softmax, GELU: a few %) separates them
@@ -182,6 +184,9 @@ def test_objective_flops_match_xla_cost_analysis(overrides):
   exp = bench.build_experiment(cfg)
   model, objective = exp.model, exp.objective
   params = nn.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), **type(model).init_inputs(1, seq)))["params"])
+  own = jax.eval_shape(lambda: objective.init_params(jax.random.key(1), model, seq))  # sop's sentence head
+  if own is not None:
+    params = {**params, OBJECTIVE_PARAMS: nn.unbox(own)}
   data = bench.synthetic_batch(batch, objective.raw_length(seq), model.cfg.vocab_size)
   state = objective.init_state(batch, model.cfg)
   kwargs = {} if state is None else {"state": jax.ShapeDtypeStruct(state.shape, state.dtype)}

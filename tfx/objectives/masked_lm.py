@@ -295,10 +295,17 @@ class MaskedLM(Objective):
     """Positions per row of `seq_len` the MLM head runs on in training (for the FLOP count)."""
     return self.prediction_slots(seq_len) if self.gather_predictions else seq_len
 
-  def train_flops_per_row(self, model_cfg, seq_len: int) -> float:
+  def last_layer_queries(self, model_cfg, seq_len: int) -> int | None:
+    """The encoder's last-layer query positions per row in training when that layer runs at the
+    gathered slots only (`rows_loss`; not under a relative-position bias), else None (for the FLOP
+    count)."""
     head = self.head_positions(seq_len)
     rows = head < seq_len and getattr(model_cfg, "family", "") == "encoder" and model_cfg.position != "relative"
-    return 3 * flops.row_forward_flops(model_cfg, seq_len, head, last_layer_queries=head if rows else None)
+    return head if rows else None
+
+  def train_flops_per_row(self, model_cfg, seq_len: int) -> float:
+    return 3 * flops.row_forward_flops(model_cfg, seq_len, self.head_positions(seq_len),
+                                       last_layer_queries=self.last_layer_queries(model_cfg, seq_len))
 
   def gather_slots(self, model, length: int) -> int | None:
     """The head's slots per row when the loss gathers the selected tokens (`gather_predictions`,
@@ -313,10 +320,14 @@ class MaskedLM(Objective):
     if slots is None:
       return ops.weighted_cross_entropy(out, targets, weights, z_loss=self.z_loss)
     where = selected_positions(weights, slots)  # [b, slots]
-    logits = model.apply({"params": params}, jnp.take_along_axis(out, where[..., None], axis=1),
-                         method="mlm_head")  # [b, slots, v]
-    return ops.weighted_cross_entropy(logits, jnp.take_along_axis(targets, where, axis=1),
-                                      jnp.take_along_axis(weights, where, axis=1), z_loss=self.z_loss)
+    return self.slots_loss(model, params, jnp.take_along_axis(out, where[..., None], axis=1), targets, weights, where)
+
+  def slots_loss(self, model, params, hidden, targets, weights, where):
+    """weighted_cross_entropy of the MLM head on final hidden states [b, n, e] that are those of
+    positions `where` [b, n] (targets and weights: [b, t])."""
+    logits = model.apply({"params": params}, hidden, method="mlm_head")  # [b, n, v]
+    take = lambda a: jnp.take_along_axis(a, where, axis=1)
+    return ops.weighted_cross_entropy(logits, take(targets), take(weights), z_loss=self.z_loss)
 
   def loss(self, model, params, batch, rng, *, train):
     slots = self.gather_slots(model, batch["tokens"].shape[1])

@@ -34,7 +34,7 @@ import optax
 from tfx import flops, ops
 from tfx.models.encoder import ClassifierHead
 from tfx.objectives.base import Predictions, split_params
-from tfx.objectives.masked_lm import MaskedLM, logits_and_hidden
+from tfx.objectives.masked_lm import MaskedLM, logits_and_hidden, selected_positions
 from tfx.objectives.plm_sampling import xlnet_rows
 from tfx.registry import OBJECTIVES
 
@@ -125,16 +125,21 @@ class SentencePrediction(MaskedLM):
 
   def _forward(self, model, params, batch, rng, *, train, gather: bool = False):
     """(row, MLM logits [b, t, v] or None, final hidden states [b, t, e], targets, weights, kept,
-    sentence logits [b, 2]). With `gather`, the MLM logits are left to the loss (None) when
-    masked_lm's `gather_slots` applies to the row."""
+    sentence logits [b, 2]). With `gather`, when masked_lm's `gather_slots` applies to the row, the
+    MLM logits are left to the loss (None) and the hidden states are those of the first token
+    ([CLS]) and then each row's selected tokens' slots only, [b, 1 + slots, e]: the encoder's last
+    layer computes nothing else (`rows`; see `MaskedLM.rows_loss`)."""
     encoder_params, own = split_params(params)
     row_rng, mask_rng, dropout_rng = jax.random.split(rng, 3)
     row = self.rows(batch, row_rng)
     inputs, targets, weights, kept = self.mask(row, mask_rng, return_kept=True)  # [b, t] each
     args = (inputs, row["segment_ids"], row["positions"])
     kwargs = dict(token_types=row["token_types"], train=train, rngs={"dropout": dropout_rng})
-    if gather and self.gather_slots(model, inputs.shape[1]) is not None:
-      logits, hidden = None, model.apply({"params": encoder_params}, *args, return_hidden=True, **kwargs)
+    slots = self.gather_slots(model, inputs.shape[1]) if gather else None
+    if slots is not None:
+      where = selected_positions(weights, slots)  # [b, slots]
+      rows = jnp.concatenate([jnp.zeros_like(where[:, :1]), where], axis=1)  # [CLS] first: [b, 1 + slots]
+      logits, hidden = None, model.apply({"params": encoder_params}, *args, return_hidden=True, rows=rows, **kwargs)
     else:
       logits, hidden = logits_and_hidden(model, encoder_params, *args, **kwargs)  # [b, t, v], [b, t, e]
     sentence_logits = ClassifierHead(2, pooling="first", init_std=model.cfg.init_std).apply(
@@ -144,9 +149,9 @@ class SentencePrediction(MaskedLM):
   def loss(self, model, params, batch, rng, *, train):
     row, logits, hidden, targets, weights, _, sentence_logits = self._forward(model, params, batch, rng,
                                                                               train=train, gather=True)
-    if logits is None:  # gathered: the head runs on the selected tokens' hidden states
-      slots = self.gather_slots(model, row["tokens"].shape[1])
-      mlm_loss, mlm = self.mlm_loss(model, split_params(params)[0], hidden, targets, weights, slots)
+    if logits is None:  # gathered: hidden [b, 1 + slots, e], the head runs on the selected tokens' slots
+      where = selected_positions(weights, hidden.shape[1] - 1)  # [b, slots], as `_forward` chose them
+      mlm_loss, mlm = self.slots_loss(model, split_params(params)[0], hidden[:, 1:], targets, weights, where)
     else:
       mlm_loss, mlm = self.mlm_loss(model, None, logits, targets, weights, None)
     rows = jnp.any(row["segment_ids"] > 0, axis=1).astype(jnp.float32)  # [b], rows with text
@@ -197,8 +202,10 @@ class SentencePrediction(MaskedLM):
 
   def train_flops_per_row(self, model_cfg, seq_len: int) -> float:
     """The MLM encoder row plus the pooler and classifier on the first token."""
-    e = model_cfg.d_model
-    return 3 * (flops.row_forward_flops(model_cfg, seq_len, self.head_positions(seq_len)) + 2 * (e * e + 2 * e))
+    e, last = model_cfg.d_model, self.last_layer_queries(model_cfg, seq_len)
+    last = None if last is None else last + 1  # [CLS] and the slots
+    return 3 * (flops.row_forward_flops(model_cfg, seq_len, self.head_positions(seq_len), last_layer_queries=last)
+                + 2 * (e * e + 2 * e))
 
 
 @OBJECTIVES.register("nsp")
