@@ -344,10 +344,9 @@ class MaskedLM(Objective):
     mask_rng, dropout_rng = jax.random.split(rng)
     inputs, targets, weights = self.mask(batch, mask_rng)  # [b, t] each
     where = selected_positions(weights, slots)  # [b, slots]
-    logits = model.apply({"params": params}, inputs, batch["segment_ids"], batch["positions"], train=train,
-                         rngs={"dropout": dropout_rng}, rows=where)  # [b, slots, v]
-    take = lambda a: jnp.take_along_axis(a, where, axis=1)
-    return ops.weighted_cross_entropy(logits, take(targets), take(weights), z_loss=self.z_loss)
+    hidden = model.apply({"params": params}, inputs, batch["segment_ids"], batch["positions"], train=train,
+                         rngs={"dropout": dropout_rng}, return_hidden=True, rows=where)  # [b, slots, e]
+    return self.slots_loss(model, params, hidden, targets, weights, where)
 
   def predictions(self, model, params, batch, rng):
     """A selected token is predicted from its document; the kept ones (selected, left as they are)
