@@ -233,7 +233,7 @@ def test_whole_words_stay_whole_under_the_cap():
 ], ids=["scanned", "cap", "unscanned", "pre_rotary_remat", "one_layer", "relative"])
 def test_gathered_head_gives_the_dense_loss_and_gradients(cap, model_overrides):
   """The loss with the MLM head on the gathered selected tokens (and the last layer's queries,
-  attention output and MLP there only: `Stack.last_layer_rows`) is the loss with the head at
+  attention output and MLP there only: `Stack.last_layer_queries`) is the loss with the head at
   every position: value, accuracy, token count and every parameter's gradient; also where the
   cap binds (max_predictions=12 at a 40% rate) and rows hold fewer selected tokens than slots;
   scanned, unscanned, unrolled and one-layer stacks, pre- and post-LN."""

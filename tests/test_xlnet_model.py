@@ -332,13 +332,21 @@ def test_scanned_and_unrolled_agree(untie_r, m):
   def both_streams(cfg, p):  # query stream with memory, content stream without
     q = XLNet(cfg).apply({"params": p}, tokens, types, content, query, mapping, mems, sign)
     c = XLNet(cfg).apply({"params": p}, tokens, types, content[..., m:], None, None, None, sign)
-    return q, c
+    # The query stream's gradients: scanned, its last layer runs outside the loop on parameters
+    # cut from the stack (and without its content stream), and they must land in the stack.
+    grads = jax.grad(lambda p: jnp.sum(jnp.tanh(XLNet(cfg).apply({"params": p}, tokens, types, content, query,
+                                                                  mapping, mems, sign)[0])))(p)
+    return q, c, grads
 
   run = lambda cfg, p: _compiled(functools.partial(both_streams, cfg), p)(p)
-  for (lu, mu), (ls, ms) in zip(run(unrolled, params), run(scanned, stacked)):
+  *out_u, grads_u = run(unrolled, params)
+  *out_s, grads_s = run(scanned, stacked)
+  for (lu, mu), (ls, ms) in zip(out_u, out_s):
     np.testing.assert_allclose(ls, lu, rtol=1e-5, atol=1e-5)
     assert ms.shape == (L, 2, 6, E)
     np.testing.assert_allclose(ms, mu, rtol=1e-6, atol=1e-6)
+  close = lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5 * float(np.abs(y).max()))
+  jax.tree_util.tree_map(close, grads_s, _stacked(grads_u))
 
 
 @pytest.mark.parametrize("scan_layers,remat", [(True, "full")])  # (False, "dots") passes too; ~9 s more

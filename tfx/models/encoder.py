@@ -50,7 +50,7 @@ class Encoder(Family):
   embeddings, norm, dropout) with `return_embeddings=True` (ELECTRA's generator shares it).
   `mask` [b, 1|h, t, t] replaces the default same-document mask. `rows` [b, n] int: the output
   (logits or hidden states) at those positions only, [b, n, .]; the last layer then computes
-  nothing else (`Stack.last_layer_rows`: masked LM's selected tokens).
+  nothing else (`Stack.last_layer_queries`: masked LM's selected tokens).
 
   `two_stream(...)`: XLNet's two-stream attention on this encoder, for permutation LM (see
   its docstring). Its only parameter beyond `__call__`'s is `mask_emb` [e], which `__call__`

@@ -14,7 +14,9 @@ types enter only through s_ij = [type_i != type_j] and the learned seg_embed [2,
 Layers: `scan_layers` runs them as one nn.scan with parameters stacked on a leading `layers`
 axis (per-layer r_*_bias and seg_embed included), the memory [l, b, m, e] scanned in and the new
 memory scanned out; otherwise they are unrolled as `layer_{i}`. `remat` wraps each layer in
-nn.remat with tfx/nn/blocks.py's policies, as `Stack` does.
+nn.remat with tfx/nn/blocks.py's policies, as `Stack` does. With a query stream, the last layer
+computes the query stream alone (nothing reads its content stream; scanned, it runs after a scan
+of the others, its parameters cut from the stack by `stacked_layers`).
 """
 
 from typing import ClassVar
@@ -24,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from tfx.models.base import Family
-from tfx.nn.blocks import REMAT_POLICIES
+from tfx.nn.blocks import rematted, stacked_layers, with_layers_cut
 from tfx.nn.layers import Embed, broadcast_param
 from tfx.nn.xlnet import XLNetLayer, distance_table, relative_encoding, segment_difference, shared_biases
 from tfx.registry import FAMILIES
@@ -97,26 +99,36 @@ class XLNet(Family):
     if mems is not None:
       mems = jax.lax.stop_gradient(mems)
 
-    layer = XLNetLayer
-    if cfg.remat != "none":
-      layer = nn.remat(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+    layer = rematted(XLNetLayer, cfg, in_scan=cfg.scan_layers)
     shared = (r, seg_diff, content_mask, query_mask, target_mapping, biases)  # the same for every layer
+    n_layers = cfg.num_layers
+    # With a query stream the loss reads g alone, so the last layer's content stream is dead work
+    # (its keys and values, from the layer's input, are not): that layer runs with content=False.
+    # Initialisation runs every layer in full (the same parameters).
+    split = g is not None and not self.is_initializing()
+    mems_of = lambda index: None if mems is None else mems[index]
+    in_axes = (nn.broadcast if mems is None else 0,) + (nn.broadcast,) * len(shared)  # scanned: mems, shared
     if cfg.scan_layers:
       # Parameters stacked on a leading `layers` axis; mems [l, b, m, e] scanned in, new_mems out.
-      scanned = nn.scan(
-          layer,
-          variable_axes={"params": 0},
-          split_rngs={"params": True, "dropout": True},
-          in_axes=(nn.broadcast if mems is None else 0,) + (nn.broadcast,) * len(shared),
-          length=cfg.num_layers,
-          unroll=cfg.scan_unroll or cfg.num_layers,
-          metadata_params={nn.PARTITION_NAME: "layers"},
-      )
-      (h, g), new_mems = scanned(cfg, not train, name="layers")((h, g), mems, *shared)  # new_mems [l, b, mem_len, e]
+      if not split:
+        (h, g), new_mems = self._scan(layer, n_layers, in_axes, train)((h, g), mems, *shared)
+      else:
+        caches = []
+        if n_layers > 1:
+          first = lambda mdl, *a: mdl._scan(layer, n_layers - 1, in_axes, train)(*a)
+          (h, g), cache = with_layers_cut(first, slice(None, n_layers - 1))(
+              self, (h, g), mems_of(slice(None, n_layers - 1)), *shared)
+          caches.append(cache)  # [l - 1, b, mem_len, e] or None
+        last = stacked_layers(rematted(XLNetLayer, cfg, in_scan=False), n_layers - 1)(
+            cfg, not train, content=False, name="layers")
+        (h, g), cache = last((h, g), mems_of(n_layers - 1), *shared)
+        caches.append(None if cache is None else cache[None])
+        new_mems = jnp.concatenate(caches) if mem_len > 0 else None  # [l, b, mem_len, e]
     else:
       carry, caches = (h, g), []
-      for i in range(cfg.num_layers):
-        carry, new_mem = layer(cfg, not train, name=f"layer_{i}")(carry, None if mems is None else mems[i], *shared)
+      for i in range(n_layers):
+        content = not (split and i == n_layers - 1)
+        carry, new_mem = layer(cfg, not train, content=content, name=f"layer_{i}")(carry, mems_of(i), *shared)
         caches.append(new_mem)
       h, g = carry
       new_mems = jnp.stack(caches) if mem_len > 0 else None  # [l, b, mem_len, e]
@@ -125,3 +137,18 @@ class XLNet(Family):
       return out, new_mems  # [b, n|t, e]
     logits = self.lm_head(embed, out, bias=True)  # [b, n|t, v]
     return logits, new_mems
+
+  def _scan(self, layer, length: int, in_axes: tuple, train: bool) -> nn.Module:
+    """`length` layers as one nn.scan over stacked parameters (a leading `layers` axis), the
+    memory [length, b, m, e] scanned in (`in_axes[0]` 0) and the new memory scanned out."""
+    cfg = self.cfg
+    scanned = nn.scan(
+        layer,
+        variable_axes={"params": 0},
+        split_rngs={"params": True, "dropout": True},
+        in_axes=in_axes,
+        length=length,
+        unroll=cfg.scan_unroll or length,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
+    return scanned(cfg, not train, name="layers")

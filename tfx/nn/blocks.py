@@ -63,19 +63,24 @@ class Block(nn.Module):
   and so is the result. h is the content stream, computed exactly as x without `query`; g is
   the query stream of n prediction slots. Every sublayer (its norm, attention, MLP) is the same
   module for both streams; g's attention takes its keys / values from h's input to the same
-  sublayer (so g is never a key) under `query.mask`.
+  sublayer (so g is never a key) under `query.mask`. With `content=False` the block computes the
+  query stream alone and returns (None, g): h enters only as the keys and values (a stack's last
+  layer, whose content stream nothing reads).
   """
 
   cfg: ModelConfig
   deterministic: bool = True
   decode: bool = False
   cross: bool = False
+  content: bool = True
 
   @nn.compact
   def __call__(self, x, mask, positions, segment_ids, bias=None, encoded=None, cross_mask=None, query=None):
     cfg = self.cfg
     if query is not None and (self.cross or self.decode or bias is not None):
       raise ValueError("two-stream blocks have no cross-attention, KV cache or attention bias")
+    if query is None and not self.content:
+      raise ValueError("Block(content=False) runs the query stream alone: it needs `query`")
     drop = lambda y: nn.Dropout(cfg.dropout)(y, deterministic=self.deterministic)
     attn = Attention(cfg, self.deterministic, self.decode, use_rotary=cfg.position == "rotary", name="attention")
 
@@ -104,13 +109,14 @@ class Block(nn.Module):
     h, g = (x, None) if query is None else x
     for sublayer, name in zip(sublayers, names):
       norm = make_norm(cfg, name)
-      h_in = norm(h) if cfg.norm == "pre" else h  # [b, t, e]
-      new_h = _residual(cfg.norm, norm, h, drop(sublayer(h_in, h_in, None)))
+      h_in = None if h is None else norm(h) if cfg.norm == "pre" else h  # [b, t, e]
+      # Without the content stream, h is read once: the self-attention's keys and values.
+      new_h = _residual(cfg.norm, norm, h, drop(sublayer(h_in, h_in, None))) if self.content else None
       if g is not None:
         g_in = norm(g) if cfg.norm == "pre" else g  # [b, n, e]
         g = _residual(cfg.norm, norm, g, drop(sublayer(g_in, h_in, query)))
       h = new_h
-    h = constrain(h, ("act_batch", "act_length", "act_embed"))
+    h = None if h is None else constrain(h, ("act_batch", "act_length", "act_embed"))
     if g is None:
       return h, None
     return (h, constrain(g, ("act_batch", "act_length", "act_embed"))), None
@@ -129,7 +135,8 @@ class Stack(nn.Module):
     cross: blocks have cross-attention over an encoder output.
 
   With `query` (a `QueryStream`), x is the pair (h [b, t, e], g [b, n, e]) of a two-stream
-  model and so is the result (see `Block`).
+  model and the result is (None, g): nothing reads the last layer's content stream, so it is not
+  computed (see `Block`, `last_layer_queries`).
   """
 
   cfg: ModelConfig
@@ -141,62 +148,63 @@ class Stack(nn.Module):
   @nn.compact
   def __call__(self, x, mask, positions, segment_ids, bias=None, encoded=None, cross_mask=None, query=None,
                rows=None):
-    """x [b, t, e] -> [b, t, e] (a two-stream pair with `query`). With `rows` [b, n] int (and
-    neither `query`, `bias` nor `cross`): [b, n, e], the last layer's output at those positions
-    only; see `last_layer_rows`."""
+    """x [b, t, e] -> [b, t, e]. With `query`: the two-stream pair (h, g) -> (None, g [b, n, e]),
+    the query stream (the last layer's content stream feeds nothing, so it is not computed). With
+    `rows` [b, n] int (and neither `query`, `bias` nor `cross`): [b, n, e], the last layer's
+    output at those positions only. See `last_layer_queries`."""
     cfg = self.cfg
-    block = Block
-    if cfg.remat != "none":
-      block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+    block = rematted(Block, cfg, in_scan=cfg.scan_layers)
     args = (x, mask, positions, segment_ids, bias, encoded, cross_mask)
     if query is not None:
       args += (query,)
-    if rows is not None:
-      if query is not None or bias is not None or self.cross or self.decode:
-        raise ValueError("Stack(rows=...) runs a plain self-attention stack: no query stream, bias, "
-                         "cross-attention or KV cache")
-      if not self.is_initializing():
-        return self.last_layer_rows(block, args, rows)
+    if rows is not None and (query is not None or bias is not None or self.cross or self.decode):
+      raise ValueError("Stack(rows=...) runs a plain self-attention stack: no query stream, bias, "
+                       "cross-attention or KV cache")
+    if (query is not None or rows is not None) and not self.is_initializing():
+      return self.last_layer_queries(block, args, rows)
     if cfg.scan_layers:
       x, _ = self._scanned(block, len(args), self.num_layers)(*args)
     else:
       for i in range(self.num_layers):
         x, _ = block(cfg, self.deterministic, self.decode, self.cross, name=f"layer_{i}")(x, *args[1:])
     if rows is not None:  # initialisation: the parameters are the full stack's
-      x = jnp.take_along_axis(x, rows[..., None], axis=1)  # [b, n, e]
-    return x
+      return jnp.take_along_axis(x, rows[..., None], axis=1)  # [b, n, e]
+    return x if query is None else (None, x[1])
 
-  def last_layer_rows(self, block, args, rows):
-    """The stack's output at `rows` [b, n] only: the layers before the last run in full (every
-    position is a key or value of the next), the last one as a two-stream layer whose query stream
-    is the n rows (`Block`'s `query`): its keys and values come from every position, its queries,
-    attention output, MLP and norms run at the n rows alone, and nothing computes the other
-    positions' outputs. Exact: the same function as the full stack followed by a gather (MLM's
-    loss reads only the selected positions, `objective.gather_predictions`).
+  def last_layer_queries(self, block, args, rows=None):
+    """The stack's last layer without the work nothing reads. The layers before the last run in
+    full (every position is a key or value of the next); the last runs as a two-stream block
+    without its content stream (`Block(content=False)`): keys and values from every position,
+    queries, attention output, norms and MLP at the query stream's slots alone.
+
+    Two streams (`args` end with a `QueryStream`): returns (None, g [b, n, e]). With `rows`
+    [b, n] int: the one-stream stack's output at those positions, [b, n, e], the query stream
+    being the gathered rows (masked LM's selected tokens, whose loss reads nothing else). Exact:
+    the same function as the full stack followed by the gather.
 
     Scanned, the stacked parameters are cut into the first num_layers - 1 (scanned as before) and
-    the last (one block) with `nn.map_variables`, so the parameter tree is the full stack's."""
+    the last with `nn.map_variables` (`stacked_layers`), so the parameter tree is the full
+    stack's."""
     cfg, n_layers = self.cfg, self.num_layers
     x, mask, positions, segment_ids = args[:4]
-    take = lambda a: jnp.take_along_axis(a, rows, axis=1)  # [b, t] -> [b, n]
-    query = QueryStream(ops.mask_rows(mask, rows), take(positions))
-    new = lambda b, name: b(cfg, self.deterministic, self.decode, self.cross, name=name)
+    new = lambda b, name, **kw: b(cfg, self.deterministic, self.decode, self.cross, name=name, **kw)
     if not cfg.scan_layers:
       for i in range(n_layers - 1):
         x, _ = new(block, f"layer_{i}")(x, *args[1:])
-      last = new(block, f"layer_{n_layers - 1}")
-    else:
-      def cut(index):
-        return lambda tree: jax.tree_util.tree_map(lambda a: a[index], tree)
-
+      last = new(block, f"layer_{n_layers - 1}", content=False)
+    else:  # the last layer outside the scan: remat's prevent_cse on (`rematted`)
       if n_layers > 1:
         first = lambda mdl, *a: mdl._scanned(block, len(a), n_layers - 1)(*a)
-        x, _ = nn.map_variables(first, "params", cut(slice(None, n_layers - 1)))(self, *args)
-      last = nn.map_variables(block, "params", cut(n_layers - 1))(
-          cfg, self.deterministic, self.decode, self.cross, name="layers")
-    g = jnp.take_along_axis(x, rows[..., None], axis=1)  # [b, n, e]
-    (_, g), _ = last((x, g), mask, positions, segment_ids, None, None, None, query)
-    return g  # [b, n, e]
+        x, _ = with_layers_cut(first, slice(None, n_layers - 1))(self, *args)
+      last = new(stacked_layers(rematted(Block, cfg, in_scan=False), n_layers - 1), "layers", content=False)
+    if rows is None:
+      query = args[-1]
+    else:
+      take = lambda a: jnp.take_along_axis(a, rows, axis=1)  # [b, t] -> [b, n]
+      query = QueryStream(ops.mask_rows(mask, rows), take(positions))
+      x = (x, jnp.take_along_axis(x, rows[..., None], axis=1))  # g: [b, n, e]
+    (_, g), _ = last(x, mask, positions, segment_ids, None, None, None, query)
+    return g if rows is not None else (None, g)
 
   def _scanned(self, block, n_args: int, length: int):
     """`length` blocks scanned over stacked parameters (a `layers` axis), the first argument the
@@ -212,3 +220,33 @@ class Stack(nn.Module):
         metadata_params={nn.PARTITION_NAME: "layers"},
     )
     return scanned(cfg, self.deterministic, self.decode, self.cross, name="layers")
+
+
+def rematted(module: type[nn.Module], cfg, *, in_scan: bool) -> type[nn.Module]:
+  """`module` under `cfg.remat`'s policy (itself for 'none'). Outside a scanned loop remat's
+  prevent_cse must be on, or XLA merges the recomputation with the forward pass and the layer keeps
+  everything; inside one the loop already keeps them apart (and prevent_cse would cost speed)."""
+  if cfg.remat == "none":
+    return module
+  return nn.remat(module, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not in_scan)
+
+
+def _cut(index: int | slice):
+  return lambda tree: jax.tree_util.tree_map(lambda a: a[index], tree)
+
+
+def stacked_layers(module: type[nn.Module], index: int | slice) -> type[nn.Module]:
+  """`module` reading its parameters from a stack of layers (a leading `layers` axis) at `index`:
+  an int for one layer's, a slice for a shorter stack. The stored tree stays the whole stack's,
+  so checkpoints and converters see no difference (gradients land in the stacked leaves)."""
+  return nn.map_variables(module, "params", _cut(index))
+
+
+def with_layers_cut(fn: Callable, index: int | slice) -> Callable:
+  """`fn(module, *args)` run with `module`'s child `layers` (a stack of layers) cut at `index`, as
+  `stacked_layers`. For a scan over the first layers beside the last layer's own module: a module
+  cannot create two children named `layers`, but `fn` creates its one in map_variables' scope."""
+  def cut(tree):  # {collection: {child name: variables}}
+    return {c: {**v, "layers": _cut(index)(v["layers"])} for c, v in tree.items()}
+
+  return nn.map_variables(fn, "params", cut)

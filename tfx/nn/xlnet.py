@@ -308,11 +308,13 @@ class TwoStreamAttention(nn.Module):
 
   Post-LN: each stream's output is LayerNorm(x + dropout(o(attention))), with one norm shared by
   both streams. Parameters: query / key / value / relative [e, h, d], out [h, d, e], seg_embed
-  [2, h, d], r_*_bias [h, d] (unless given), attention_norm.
+  [2, h, d], r_*_bias [h, d] (unless given), attention_norm. With `content=False` only the query
+  stream is computed (h gives the keys and values) and the content stream's output is None.
   """
 
   cfg: ModelConfig
   deterministic: bool = True
+  content: bool = True
 
   @nn.compact
   def __call__(self, h: jax.Array, g: jax.Array | None, mem: jax.Array | None, r: jax.Array,
@@ -368,8 +370,12 @@ class TwoStreamAttention(nn.Module):
     def post(x: jax.Array, vec: jax.Array) -> jax.Array:
       return norm(x + drop(out(vec)))
 
-    h_out = post(h, attend(query(h), content_mask))
-    h_out = constrain(h_out, ("act_batch", "act_length", "act_embed"))
+    h_out = None
+    if self.content:
+      h_out = post(h, attend(query(h), content_mask))
+      h_out = constrain(h_out, ("act_batch", "act_length", "act_embed"))
+    elif g is None:
+      raise ValueError("TwoStreamAttention(content=False) computes the query stream alone: it needs g")
     if g is None:
       return h_out, None
     q_g = query(g)  # [b, n, h, d]
@@ -387,11 +393,13 @@ class XLNetLayer(nn.Module):
 
   The call has nn.scan's form `(carry, per-layer input, broadcast inputs...) -> (carry,
   per-layer output)`, so the same module runs unrolled (`layer_{i}`) or scanned over a stacked
-  `layers` axis, with the memory scanned in and the new memory scanned out.
+  `layers` axis, with the memory scanned in and the new memory scanned out. `content=False`: the
+  query stream alone (the last layer, whose content stream nothing reads); h comes out None.
   """
 
   cfg: ModelConfig
   deterministic: bool = True
+  content: bool = True
 
   @nn.compact
   def __call__(self, carry, mem, r, seg_diff, content_mask, query_mask, target_mapping, biases=None):
@@ -410,13 +418,13 @@ class XLNetLayer(nn.Module):
     cfg = self.cfg
     h, g = carry
     new_mem = cache_memory(mem, h, cfg.mem_len, cfg.reuse_len) if cfg.mem_len > 0 else None
-    h, g = TwoStreamAttention(cfg, self.deterministic, name="attention")(
+    h, g = TwoStreamAttention(cfg, self.deterministic, self.content, name="attention")(
         h, g, mem, r, seg_diff, content_mask, query_mask, target_mapping, biases)
     mlp = Mlp(cfg, self.deterministic, name="mlp")
     norm = Norm("layernorm", cfg.norm_eps, use_bias=True, dtype=cfg.compute_dtype, name="mlp_norm")
     drop = lambda x: nn.Dropout(cfg.dropout)(x, deterministic=self.deterministic)
     ffn = lambda x: norm(x + drop(mlp(x)))
-    return (ffn(h), None if g is None else ffn(g)), new_mem
+    return (None if h is None else ffn(h), None if g is None else ffn(g)), new_mem
 
 
 def cache_memory(prev: jax.Array | None, h: jax.Array, mem_len: int, reuse_len: int = 0) -> jax.Array:

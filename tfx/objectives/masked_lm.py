@@ -339,7 +339,7 @@ class MaskedLM(Objective):
   def rows_loss(self, model, params, batch, rng, slots: int, *, train):
     """The loss with the model run to its logits at each row's selected positions only
     (`selected_positions`, `slots` per row): the head there, and the encoder's last layer
-    computes its queries, attention output and MLP there alone (`rows`, `Stack.last_layer_rows`).
+    computes its queries, attention output and MLP there alone (`rows`, `Stack.last_layer_queries`).
     The same loss as the head at every position (tests/test_masked_lm.py)."""
     mask_rng, dropout_rng = jax.random.split(rng)
     inputs, targets, weights = self.mask(batch, mask_rng)  # [b, t] each
