@@ -115,8 +115,10 @@ class XLNet(Family):
       else:
         caches = []
         if n_layers > 1:
-          first = lambda mdl, *a: mdl._scan(layer, n_layers - 1, in_axes, train)(*a)
-          (h, g), cache = with_layers_cut(first, slice(None, n_layers - 1))(
+          def first_layers(mdl, *a):  # (a named function: it names the ops in profiles)
+            return mdl._scan(layer, n_layers - 1, in_axes, train)(*a)
+
+          (h, g), cache = with_layers_cut(first_layers, slice(None, n_layers - 1))(
               self, (h, g), mems_of(slice(None, n_layers - 1)), *shared)
           caches.append(cache)  # [l - 1, b, mem_len, e] or None
         last = stacked_layers(rematted(XLNetLayer, cfg, in_scan=False), n_layers - 1)(

@@ -194,8 +194,10 @@ class Stack(nn.Module):
       last = new(block, f"layer_{n_layers - 1}", content=False)
     else:  # the last layer outside the scan: remat's prevent_cse on (`rematted`)
       if n_layers > 1:
-        first = lambda mdl, *a: mdl._scanned(block, len(a), n_layers - 1)(*a)
-        x, _ = with_layers_cut(first, slice(None, n_layers - 1))(self, *args)
+        def first_layers(mdl, *a):  # (a named function: it names the ops in profiles)
+          return mdl._scanned(block, len(a), n_layers - 1)(*a)
+
+        x, _ = with_layers_cut(first_layers, slice(None, n_layers - 1))(self, *args)
       last = new(stacked_layers(rematted(Block, cfg, in_scan=False), n_layers - 1), "layers", content=False)
     if rows is None:
       query = args[-1]
