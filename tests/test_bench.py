@@ -168,7 +168,9 @@ XLNET = ["--config.model.family=xlnet", "--config.objective.name=permutation_lm"
     XLNET + ["--config.model.mem_len=32", "--config.model.reuse_len=32"],
     ["--config.model.family=encoder", "--config.objective.name=permutation_lm", "--config.model.type_vocab_size=3",
      "--config.objective.reuse_len=32", "--config.objective.perm_size=32"],
-], ids=["decoder_clm", "encoder_mlm", "encoder_sop", "t5_spans", "xlnet", "xlnet_memory", "encoder_plm"])
+    ["--config.model.family=encoder", "--config.objective.name=electra"],
+    ["--config.model.family=encoder", "--config.objective.name=electra", "--config.objective.gather_predictions=False"],
+], ids=["decoder_clm", "encoder_mlm", "encoder_sop", "t5_spans", "xlnet", "xlnet_memory", "encoder_plm", "electra", "electra_dense"])
 def test_objective_flops_match_xla_cost_analysis(overrides):
   """Each objective's analytic forward count (train_flops_per_row / 3) against XLA's own count
   of the compiled loss: only elementwise work (norms, softmax, GELU: a few %) separates them
@@ -183,7 +185,11 @@ def test_objective_flops_match_xla_cost_analysis(overrides):
     memory = model.cfg.mem_len if objective.init_state(batch, model.cfg) is not None else 0
     analytic += model.cfg.num_layers * 2 * model.cfg.d_model ** 2 * (memory + 2 * seq - 1)
   print(f"xla / analytic = {xla / analytic:.4f}")
-  assert 0.98 < xla / analytic < 1.04, (xla, analytic)
+  # ELECTRA draws a Gumbel sample for every generator logit: elementwise work at [b, n, v] that the
+  # count leaves out (5.3% here gathered, 8.2% at every position; a head counted at the wrong
+  # number of positions is 10-27% off either way).
+  high = 1.09 if "--config.objective.name=electra" in overrides else 1.04
+  assert 0.98 < xla / analytic < high, (xla, analytic)
 
 
 def _xla_flops(cfg, seq: int, batch: int, *, grad: bool = False):

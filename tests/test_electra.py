@@ -1,6 +1,7 @@
 """ELECTRA replaced-token detection (tfx/objectives/electra.py) and the objective-owned parameters
 it introduced (Objective.init_params, params["objective"])."""
 
+import dataclasses
 import math
 import os
 
@@ -77,8 +78,11 @@ def test_objective_params_are_initialised_sharded_and_in_the_state():
   assert any(OBJECTIVE_PARAMS in str(p) for p, _ in jax.tree_util.tree_leaves_with_path(state.opt_state))
 
 
-def test_replaced_labels_are_exactly_where_the_sample_differs():
-  objective, model, state, _, batch = _setup(mask_rate=0.5)
+@pytest.mark.parametrize("fields", [{"mask_rate": 0.5}, {"mask_rate": 0.5, "max_predictions": 24}],
+                         ids=["every_position", "gathered"])
+def test_replaced_labels_are_exactly_where_the_sample_differs(fields):
+  """At every position, and with the generator at 24 gathered slots (its samples scattered back)."""
+  objective, model, state, _, batch = _setup(**fields)
   out, gen_logits, disc_logits = jax.jit(lambda p, b: objective._forward(model, p, b, jax.random.key(3), train=False))(
       state.params, batch)
   out = jax.device_get(out)
@@ -90,7 +94,35 @@ def test_replaced_labels_are_exactly_where_the_sample_differs():
   # Some samples hit the original token (then labelled original), most do not (a random generator).
   assert 0 < (selected & ~out["replaced"]).sum() < selected.sum() or (selected & ~out["replaced"]).sum() == 0
   assert out["replaced"].sum() > 0 and not out["replaced"][~selected].any()
-  assert gen_logits.shape == (4, SEQ, 512) and disc_logits.shape == (4, SEQ)
+  slots = objective.generator_slots(SEQ) or SEQ
+  assert slots == fields.get("max_predictions", SEQ) and (selected.sum(axis=1) <= slots).all()
+  assert gen_logits.shape == (4, slots, 512) and disc_logits.shape == (4, SEQ)
+
+
+def test_the_gathered_generator_gives_the_dense_mlm_loss_and_gradients():
+  """With `gather_predictions` (the default) the generator's last layer, head and sampling run at
+  the selected tokens' 16 slots only. Its MLM loss (which no sample enters) and every gradient
+  of it equal those of the generator at every position under the same key (the same selection:
+  the cap applies to both)."""
+  gathered, model, state, _, batch = _setup()
+  dense = dataclasses.replace(gathered, gather_predictions=False)
+  assert gathered.generator_slots(SEQ) == 16 and dense.generator_slots(SEQ) is None
+  key = jax.random.key(5)
+
+  def mlm(objective):
+    loss = lambda p: objective.loss(model, p, batch, key, train=False)[1]["mlm_loss"]
+    return jax.jit(jax.value_and_grad(loss))(state.params)
+
+  (loss_g, grads_g), (loss_d, grads_d) = mlm(gathered), mlm(dense)
+  np.testing.assert_allclose(float(loss_g), float(loss_d), rtol=1e-6)
+  scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(grads_d))  # (some leaves are 0 up to rounding)
+  close = lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6 * scale)
+  jax.tree.map(close, grads_g, grads_d)
+  assert float(jnp.max(jnp.abs(grads_g[OBJECTIVE_PARAMS]["generator"]["head_dense"]["kernel"]))) > 0
+  # 3 of the 4 FLOP-heavy generator parts shrink to the slots; the count follows (tests/test_bench.py
+  # checks it against XLA's).
+  cfg = model.cfg
+  assert gathered.train_flops_per_row(cfg, SEQ) < dense.train_flops_per_row(cfg, SEQ)
 
 
 def test_sample_follows_the_generator_and_the_key():

@@ -20,7 +20,10 @@ return_embeddings=True)`), projects it to its own width when narrower (`embed_pr
 MLM head (dense to the embedding width, activation, norm) scores against the discriminator's
 token embedding table with its own output bias. The generator has the discriminator's depth and
 `generator_size` times its width, heads and MLP width (the paper's 1/4 for small, 1/3 for base).
-The discriminator head is dense (d -> d), activation, dense (d -> 1).
+The discriminator head is dense (d -> d), activation, dense (d -> 1). As in ELECTRA's code, the
+generator's work past its last layer's keys and values (that layer's queries and MLP, its head,
+the sampling) runs only at each row's selected tokens, gathered into `max_predictions` slots
+(`gather_predictions`; masked_lm's mechanism, `Stack`'s `rows`).
 
 Export: `tfx.convert --to-hf`, `tfx.finetune` and `load_trained` read the discriminator (the
 model's params); the generator and the head stay in the run's checkpoints (ELECTRA, too,
@@ -39,7 +42,7 @@ from tfx import flops, ops
 from tfx.nn import DenseGeneral, Stack, make_norm
 from tfx.nn.layers import GATED, ModelConfig, activation, add_bias, project
 from tfx.objectives.base import Objective, Predictions, flat_positions, split_params
-from tfx.objectives.masked_lm import mask_tokens
+from tfx.objectives.masked_lm import mask_tokens, prediction_slots, selected_positions
 from tfx.registry import OBJECTIVES
 
 
@@ -60,9 +63,11 @@ class Generator(nn.Module):
   embed_dim: int
 
   @nn.compact
-  def __call__(self, embedded, segment_ids, positions, table, *, train: bool = False):
+  def __call__(self, embedded, segment_ids, positions, table, *, train: bool = False, rows=None):
     """embedded [b, t, E] (the shared embedding layer's output), segment_ids / positions [b, t],
-    table [v, E] (the shared token embeddings) -> logits [b, t, v] float32."""
+    table [v, E] (the shared token embeddings) -> logits [b, t, v] float32. With `rows` [b, n]
+    int: the logits at those positions only, [b, n, v]; the stack's last layer and the head then
+    run there alone (`Stack`'s `rows`)."""
     cfg, e = self.cfg, self.embed_dim
     x = embedded
     if e != cfg.d_model:
@@ -70,7 +75,7 @@ class Generator(nn.Module):
                        name="embed_project")(x)  # [b, t, g]
     x = Stack(cfg, cfg.num_layers, deterministic=not train, name="encoder")(
         x, ops.self_attention_mask(segment_ids, causal=False, implementation=cfg.attention), positions, segment_ids,
-        None)  # [b, t, g]
+        None, rows=rows)  # [b, t|n, g]
     if cfg.norm == "pre":
       x = make_norm(cfg, "final_norm")(x)
     act = activation("gelu" if cfg.mlp in GATED else cfg.mlp)
@@ -125,6 +130,14 @@ class Electra(Objective):
   rtd_weight: float = 50.0
   # Temperature of the generator's softmax when sampling replacements.
   temperature: float = 1.0
+  # At most this many selected tokens per row (ELECTRA's max_predictions_per_seq); beyond it the
+  # ones with the largest draws stay unselected. 0 = automatic, as masked_lm's: the mean + 4
+  # standard deviations of the row's Binomial(seq_len, mask_rate) count, a multiple of 8.
+  max_predictions: int = 0
+  # The generator's last layer, MLM head and sampling run on the selected tokens only, gathered
+  # into max_predictions slots per row (as ELECTRA's own code gathers them), instead of at every
+  # position: the same generator loss.
+  gather_predictions: bool = True
 
   families = ("encoder",)
 
@@ -136,6 +149,8 @@ class Electra(Objective):
       raise ValueError("objective.mask_token_rate + objective.random_token_rate must be <= 1")
     if not 0.0 < self.generator_size <= 1.0:
       raise ValueError(f"objective.generator_size must be in (0, 1], got {self.generator_size}")
+    if self.max_predictions < 0:
+      raise ValueError(f"objective.max_predictions must be >= 0 (0 = automatic), got {self.max_predictions}")
     if self.temperature <= 0.0 or self.rtd_weight < 0.0:
       raise ValueError("objective.temperature must be > 0 and objective.rtd_weight >= 0")
     if self.ids.mask is None:
@@ -155,6 +170,16 @@ class Electra(Objective):
                       f"of its {heads} heads; choose a size that keeps model.d_model * size divisible")
     return problems
 
+  def prediction_slots(self, length: int) -> int:
+    """The cap on selected tokens per row of `length` (`max_predictions`, 0 = automatic)."""
+    return min(length, self.max_predictions or prediction_slots(length, self.mask_rate))
+
+  def generator_slots(self, length: int) -> int | None:
+    """The generator's slots per row when it runs at the selected tokens only
+    (`gather_predictions`, fewer slots than positions), else None (every position)."""
+    slots = self.prediction_slots(length)
+    return slots if self.gather_predictions and slots < length else None
+
   def generator(self, cfg: ModelConfig) -> Generator:
     return Generator(generator_config(cfg, self.generator_size), cfg.d_model)
 
@@ -170,30 +195,41 @@ class Electra(Objective):
     return {"generator": generator, "discriminator_head": head}
 
   def _forward(self, model, params, batch, rng, *, train):
-    """Everything of one step: a dict of [b, t] arrays and the generator's / discriminator's logits."""
+    """Everything of one step: a dict of [b, t] arrays (and `where`, the generator's slots' positions
+    [b, n], or None when it runs everywhere), the generator's logits [b, n|t, v] and the
+    discriminator's [b, t]."""
     disc, own = split_params(params)
     tokens, segment_ids, positions = batch["tokens"], batch["segment_ids"], batch["positions"]
     mask_rng, sample_rng, gen_drop, disc_drop = jax.random.split(rng, 4)
     inputs, _, selected, kept = mask_tokens(
         tokens, segment_ids, mask_rng, ids=self.ids, mask_rate=self.mask_rate, mask_token_rate=self.mask_token_rate,
-        random_token_rate=self.random_token_rate, return_kept=True)  # [b, t] each
+        random_token_rate=self.random_token_rate, max_selected=self.prediction_slots(tokens.shape[1]),
+        return_kept=True)  # [b, t] each
+    slots = self.generator_slots(tokens.shape[1])
+    where = None if slots is None else selected_positions(selected, slots)  # [b, n]
     embedded = model.apply({"params": disc}, inputs, segment_ids, positions, train=train, return_embeddings=True,
                            rngs={"dropout": gen_drop})  # [b, t, d], the shared embedding layer
     gen_logits = self.generator(model.cfg).apply(
         {"params": own["generator"]}, embedded, segment_ids, positions, disc["token_embed"]["embedding"],
-        train=train, rngs={"dropout": gen_drop})  # [b, t, v]
-    sampled = sample_rows(sample_rng, gen_logits, self.temperature)  # [b, t]
+        train=train, rngs={"dropout": gen_drop}, rows=where)  # [b, n|t, v]
+    sampled = sample_rows(sample_rng, gen_logits, self.temperature)  # [b, n|t]
+    if where is not None:  # each slot's sample at its position (a row's slots are distinct positions)
+      sampled = jnp.asarray(tokens, jnp.int32).at[jnp.arange(tokens.shape[0])[:, None], where].set(sampled)  # [b, t]
     corrupted = jnp.where(selected > 0, sampled, tokens).astype(jnp.int32)
     replaced = (corrupted != tokens) & (segment_ids > 0)  # [b, t]
     hidden = model.apply({"params": disc}, corrupted, segment_ids, positions, train=train, return_hidden=True,
                          rngs={"dropout": disc_drop})  # [b, t, d]
     disc_logits = DiscriminatorHead(model.cfg).apply({"params": own["discriminator_head"]}, hidden)  # [b, t]
-    out = {"selected": selected, "kept": kept, "sampled": sampled, "corrupted": corrupted, "replaced": replaced}
+    out = {"selected": selected, "kept": kept, "sampled": sampled, "corrupted": corrupted, "replaced": replaced,
+           "where": where}
     return out, gen_logits, disc_logits
 
   def loss(self, model, params, batch, rng, *, train):
     out, gen_logits, disc_logits = self._forward(model, params, batch, rng, train=train)
-    mlm_loss, mlm = ops.weighted_cross_entropy(gen_logits, batch["tokens"], out["selected"], z_loss=self.z_loss)
+    targets, weights = batch["tokens"], out["selected"]  # [b, t]
+    if out["where"] is not None:  # [b, n]: the generator's slots
+      targets, weights = (jnp.take_along_axis(a, out["where"], axis=1) for a in (targets, weights))
+    mlm_loss, mlm = ops.weighted_cross_entropy(gen_logits, targets, weights, z_loss=self.z_loss)
     real = (batch["segment_ids"] > 0).astype(jnp.float32)  # [b, t]
     labels = out["replaced"].astype(jnp.float32)
     n = jnp.maximum(jnp.sum(real), 1.0)
@@ -217,6 +253,10 @@ class Electra(Objective):
     the token it judges. A discriminator slot sees its own token where it was not selected (it is
     shown as is) or kept for the generator; at a selected position it sees only the sample."""
     out, gen_logits, disc_logits = self._forward(model, params, batch, rng, train=False)
+    if out["where"] is not None:  # the slots' logits back at their positions (zeros elsewhere: weight 0)
+      b, t = batch["tokens"].shape
+      gen_logits = jnp.zeros((b, t, gen_logits.shape[-1]), gen_logits.dtype).at[
+          jnp.arange(b)[:, None], out["where"]].set(gen_logits)  # [b, t, v]
     real = batch["segment_ids"] > 0
     disc_slots = jnp.zeros_like(gen_logits).at[..., 0].set(disc_logits)  # [b, t, v]
     source = flat_positions(batch["segment_ids"])
@@ -243,11 +283,14 @@ class Electra(Objective):
 
   def train_flops_per_row(self, model_cfg, seq_len: int) -> float:
     """3x the forward of: the discriminator stack and head (no vocabulary projection), and the
-    generator (projection from the shared embeddings, its stack, its head to the embedding width and
-    the vocabulary projection) at every position."""
+    generator: the projection from the shared embeddings and its stack at every position, its last
+    layer past the keys and values, its head to the embedding width and the vocabulary projection
+    at the n gathered slots (every position without `gather_predictions`)."""
     t, e, v = seq_len, model_cfg.d_model, model_cfg.vocab_size
+    n = self.generator_slots(seq_len) or t
     g = generator_config(model_cfg, self.generator_size)
-    layer = lambda c: flops.attention_flops(c, t, t) + 2 * t * flops.mlp_params(c)
-    disc = model_cfg.num_layers * layer(model_cfg) + 2 * t * (e * e + e)
-    gen = g.num_layers * layer(g) + 2 * t * g.d_model * e * (2 if g.d_model != e else 1) + 2 * t * e * v
+    layer = lambda c, queries: flops.attention_flops(c, queries, t) + 2 * queries * flops.mlp_params(c)
+    disc = model_cfg.num_layers * layer(model_cfg, t) + 2 * t * (e * e + e)
+    project = 2 * t * g.d_model * e if g.d_model != e else 0
+    gen = (g.num_layers - 1) * layer(g, t) + layer(g, n) + project + 2 * n * g.d_model * e + 2 * n * e * v
     return 3 * (disc + gen)
