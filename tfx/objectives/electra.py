@@ -104,6 +104,12 @@ class DiscriminatorHead(nn.Module):
     return out[..., 0].astype(jnp.float32)
 
 
+def at_slots(base: jax.Array, where: jax.Array, values: jax.Array) -> jax.Array:
+  """`base` [b, t, ...] with `values` [b, n, ...] written at positions `where` [b, n] (a row's
+  slots are distinct positions, `selected_positions`)."""
+  return base.at[jnp.arange(base.shape[0])[:, None], where].set(values)
+
+
 def sample_rows(rng: jax.Array, logits: jax.Array, temperature: float) -> jax.Array:
   """One sample per position from softmax(logits / temperature), row r from split(rng, b)[r]:
   logits [b, t, v] -> [b, t] int32. No gradient flows through it."""
@@ -172,7 +178,7 @@ class Electra(Objective):
 
   def prediction_slots(self, length: int) -> int:
     """The cap on selected tokens per row of `length` (`max_predictions`, 0 = automatic)."""
-    return min(length, self.max_predictions or prediction_slots(length, self.mask_rate))
+    return prediction_slots(length, self.mask_rate, self.max_predictions)
 
   def generator_slots(self, length: int) -> int | None:
     """The generator's slots per row when it runs at the selected tokens only
@@ -213,8 +219,8 @@ class Electra(Objective):
         {"params": own["generator"]}, embedded, segment_ids, positions, disc["token_embed"]["embedding"],
         train=train, rngs={"dropout": gen_drop}, rows=where)  # [b, n|t, v]
     sampled = sample_rows(sample_rng, gen_logits, self.temperature)  # [b, n|t]
-    if where is not None:  # each slot's sample at its position (a row's slots are distinct positions)
-      sampled = jnp.asarray(tokens, jnp.int32).at[jnp.arange(tokens.shape[0])[:, None], where].set(sampled)  # [b, t]
+    if where is not None:  # each slot's sample at its position
+      sampled = at_slots(jnp.asarray(tokens, jnp.int32), where, sampled)  # [b, t]
     corrupted = jnp.where(selected > 0, sampled, tokens).astype(jnp.int32)
     replaced = (corrupted != tokens) & (segment_ids > 0)  # [b, t]
     hidden = model.apply({"params": disc}, corrupted, segment_ids, positions, train=train, return_hidden=True,
@@ -254,9 +260,8 @@ class Electra(Objective):
     shown as is) or kept for the generator; at a selected position it sees only the sample."""
     out, gen_logits, disc_logits = self._forward(model, params, batch, rng, train=False)
     if out["where"] is not None:  # the slots' logits back at their positions (zeros elsewhere: weight 0)
-      b, t = batch["tokens"].shape
-      gen_logits = jnp.zeros((b, t, gen_logits.shape[-1]), gen_logits.dtype).at[
-          jnp.arange(b)[:, None], out["where"]].set(gen_logits)  # [b, t, v]
+      zeros = jnp.zeros(batch["tokens"].shape + gen_logits.shape[-1:], gen_logits.dtype)  # [b, t, v]
+      gen_logits = at_slots(zeros, out["where"], gen_logits)
     real = batch["segment_ids"] > 0
     disc_slots = jnp.zeros_like(gen_logits).at[..., 0].set(disc_logits)  # [b, t, v]
     source = flat_positions(batch["segment_ids"])

@@ -87,11 +87,12 @@ def logits_and_hidden(model, params, tokens, segment_ids, positions, *, train: b
   return logits, captured["intermediates"][last]["__call__"][0]
 
 
-def prediction_slots(length: int, rate: float) -> int:
-  """The default cap on selected tokens per row of `length`: the mean + 4 standard deviations of
-  a Binomial(length, rate) count, rounded up to a multiple of 8, at most `length`."""
+def prediction_slots(length: int, rate: float, max_predictions: int = 0) -> int:
+  """The cap on selected tokens per row of `length`: `max_predictions`, or by default (0) the mean
+  + 4 standard deviations of a Binomial(length, rate) count, rounded up to a multiple of 8; at
+  most `length`."""
   mean, sd = length * rate, math.sqrt(length * rate * (1.0 - rate))
-  return min(length, 8 * math.ceil((mean + 4.0 * sd) / 8))
+  return min(length, max_predictions or 8 * math.ceil((mean + 4.0 * sd) / 8))
 
 
 def cap_selection(u: jax.Array, eligible: jax.Array, rate: float, cap: int) -> jax.Array:
@@ -264,7 +265,7 @@ class MaskedLM(Objective):
 
   def prediction_slots(self, length: int) -> int:
     """The cap on selected tokens per row of `length` (`max_predictions`, 0 = automatic)."""
-    return min(length, self.max_predictions or prediction_slots(length, self.mask_rate))
+    return prediction_slots(length, self.mask_rate, self.max_predictions)
 
   def mask(self, batch: dict[str, jax.Array], rng: jax.Array, *, return_kept: bool = False
            ) -> tuple[jax.Array, ...]:
