@@ -100,6 +100,40 @@ def test_padding_after_the_last_real_token_changes_nothing(family):
                        ).max(axis=-1) > 1e-6)
 
 
+@pytest.mark.parametrize("family,overrides", [
+    ("decoder", ()),
+    ("decoder", ("--config.model.scan_layers=False", "--config.model.num_layers=3", "--config.model.remat=none")),
+    ("decoder", ("--config.model.position=rotary", "--config.model.num_layers=1")),
+    ("encoder", ()),
+    ("encoder", ("--config.model.position=relative",)),  # a bias: the last layer runs in full
+    ("xlnet", ()),
+], ids=["decoder", "decoder_unscanned", "decoder_rotary_one_layer", "encoder", "encoder_relative", "xlnet"])
+def test_the_pooled_row_alone_gives_the_full_stacks_logits_and_gradients(family, overrides):
+  """A classifier pooling one position ('first', 'last') runs its backbone's last layer at that
+  row alone; the logits and every parameter's gradient are those of the full stack's hidden
+  states pooled afterwards (the backbone and the head applied apart), padded rows included."""
+  config = tiny_config(*FAMILY_OVERRIDES[family], *overrides)
+  model = build_classifier(build_model(config.model, vocab_size=300, max_length=16), 3)
+  inputs = right_padded(jax.random.key(0), [5, 9, 16, 1], 16, 300)
+  params = model.init({"params": jax.random.key(1)}, *inputs)["params"]
+  head = ClassifierHead(3, pooling=model.pooling, init_std=config.model.init_std)
+
+  def full(p):  # the full stack, then the head pools
+    hidden = model.backbone.apply({"params": p["backbone"]}, *inputs, method=type(model.backbone).sequence_hidden)
+    return head.apply({"params": p["head"]}, hidden, inputs[1])
+
+  def loss(f):
+    return lambda p: jnp.sum(jnp.sin(f(p)))  # every logit gets its own cotangent
+
+  pooled = lambda p: model.apply({"params": p}, *inputs)
+  np.testing.assert_allclose(jax.jit(pooled)(params), jax.jit(full)(params), rtol=1e-5, atol=1e-6)
+  grads = jax.jit(jax.grad(loss(pooled)))(params)
+  expected = jax.jit(jax.grad(loss(full)))(params)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree_util.tree_leaves(expected)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+  assert any(np.abs(np.asarray(g)).max() > 0 for g in jax.tree_util.tree_leaves(grads["backbone"]))
+
+
 def test_decoder_pools_the_last_real_token():
   """Causal attention: with 'last' pooling the logits depend on the first token too (the last
   position sees it), and equal those of the same text without its padding."""

@@ -31,6 +31,13 @@ class Slots(NamedTuple):
   token_types: jax.Array | None = None
 
 
+def take_rows(x: jax.Array, rows: jax.Array | None) -> jax.Array:
+  """x [b, t, ...] at `rows` [b, n] int -> [b, n, ...] (x itself when rows is None)."""
+  if rows is None:
+    return x
+  return jnp.take_along_axis(x, rows.reshape(rows.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
 class Family(nn.Module):
   """Base class of model families."""
 
@@ -54,12 +61,15 @@ class Family(nn.Module):
         out[name] = jnp.zeros((batch, length), jnp.int32)
     return out
 
-  def sequence_hidden(self, tokens, segment_ids, positions, token_types=None, *, train: bool = False) -> jax.Array:
+  def sequence_hidden(self, tokens, segment_ids, positions, token_types=None, *, train: bool = False,
+                      rows=None) -> jax.Array:
     """Final hidden states [b, t, e] of one (right-padded) text per row, for sequence classification.
 
     tokens, segment_ids (1 = real, 0 = padding), positions, token_types: [b, t] int. Attention
     never reaches padding, so whatever follows a row's last real token changes nothing before
     it. The parameters it uses are a subset of those of the family's pretraining call.
+    `rows` [b, n] int: the hidden states at those positions only, [b, n, e] (a classifier's pooled
+    token); a family whose stack can computes its last layer at those rows alone.
     """
     raise NotImplementedError(f"model family {self.cfg.family!r} has no sequence classification features")
 

@@ -11,6 +11,9 @@ Pooling, per family (`Family.POOLING`, overridable):
   xlnet             'last'   the <cls> that ends an XLNet row
   encoder_decoder   'mean'   the mean of the encoder output over the real tokens (the decoder is
                              not run; T5 itself would generate the label's text instead)
+
+'first' and 'last' read one position: the backbone returns its hidden states there alone
+(`Family.sequence_hidden(rows=)`), and the encoder's and decoder's last layer computes nothing else.
 """
 
 from typing import ClassVar
@@ -20,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from tfx.models.base import Family
-from tfx.models.encoder import ClassifierHead
+from tfx.models.encoder import ClassifierHead, pooled_rows
 
 POOLINGS = ("first", "mean", "last")
 
@@ -59,10 +62,14 @@ class Classifier(nn.Module):
 
   @nn.compact
   def __call__(self, tokens, segment_ids, positions, token_types, *, train: bool = False) -> jax.Array:
-    hidden = self.backbone.sequence_hidden(tokens, segment_ids, positions, token_types, train=train)  # [b, t, e]
+    # 'first' / 'last' read one position: the backbone's last layer computes that row alone
+    # (its queries, attention output and MLP; keys and values at every position).
+    rows = pooled_rows(self.pooling, segment_ids)  # [b, 1], or None ('mean')
+    hidden = self.backbone.sequence_hidden(tokens, segment_ids, positions, token_types, train=train,
+                                           rows=rows)  # [b, 1, e] or [b, t, e]
     cfg = self.backbone.cfg
     head = ClassifierHead(self.num_classes, pooling=self.pooling, dropout=self.dropout, init_std=cfg.init_std,
-                          name="head")
+                          gathered=rows is not None, name="head")
     return head(hidden, segment_ids, train=train)  # [b, num_classes]
 
 

@@ -60,11 +60,12 @@ class Encoder(Family):
   INPUTS = ("tokens", "segment_ids", "positions")
   POOLING = "first"  # BERT's [CLS]
 
-  def sequence_hidden(self, tokens, segment_ids, positions, token_types=None, *, train: bool = False):
-    """[b, t, e] final hidden states, bidirectional within the row's real tokens; token types
-    (segment A / B) when the model has a type embedding (`type_vocab_size` > 0)."""
+  def sequence_hidden(self, tokens, segment_ids, positions, token_types=None, *, train: bool = False, rows=None):
+    """[b, t, e] final hidden states ([b, n, e] at `rows`, the last layer at those rows alone),
+    bidirectional within the row's real tokens; token types (segment A / B) when the model has a
+    type embedding (`type_vocab_size` > 0)."""
     token_types = token_types if self.cfg.type_vocab_size else None
-    return self(tokens, segment_ids, positions, token_types=token_types, train=train, return_hidden=True)
+    return self(tokens, segment_ids, positions, token_types=token_types, train=train, return_hidden=True, rows=rows)
 
   def __call__(self, tokens, segment_ids, positions, *, token_types=None, train: bool = False, mask=None,
                return_hidden: bool = False, return_embeddings: bool = False, rows=None):
@@ -165,6 +166,18 @@ def last_real_index(segment_ids: jax.Array) -> jax.Array:
   return jnp.max(jnp.where(segment_ids > 0, jnp.arange(t, dtype=jnp.int32), 0), axis=-1)
 
 
+def pooled_rows(pooling: str, segment_ids: jax.Array) -> jax.Array | None:
+  """The one position a pooling reads, [b, 1] int32 ('first': 0, 'last': the last real token);
+  None for 'mean', which reads every position."""
+  if pooling == "first":
+    return jnp.zeros((segment_ids.shape[0], 1), jnp.int32)
+  if pooling == "last":
+    return last_real_index(segment_ids)[:, None]
+  if pooling == "mean":
+    return None
+  raise ValueError(f"unknown pooling {pooling!r}; choose 'first', 'mean' or 'last'")
+
+
 class ClassifierHead(nn.Module):
   """Sequence classification on encoder hidden states, for fine-tuning.
 
@@ -173,25 +186,30 @@ class ClassifierHead(nn.Module):
     pooling: 'first' (the first token of each row, BERT's [CLS]), 'mean' (mean over the
       tokens of the row's first document, segment 1) or 'last' (the row's last real token,
       segment > 0: a causal decoder's or XLNet's summary position; rows are right-padded).
+    gathered: `hidden` is [b, 1, e], already the pooled position's (`pooled_rows`: a stack whose
+      last layer computed that row alone); the parameters are the same either way.
   """
 
   num_classes: int
   pooling: str = "first"
   dropout: float = 0.0
   init_std: float = 0.02
+  gathered: bool = False
 
   @nn.compact
   def __call__(self, hidden: jax.Array, segment_ids: jax.Array, *, train: bool = False) -> jax.Array:
-    """hidden [b, t, e], segment_ids [b, t] -> logits [b, num_classes] float32."""
-    if self.pooling == "first":
+    """hidden [b, t, e] ([b, 1, e] when `gathered`), segment_ids [b, t] -> logits [b, num_classes] float32."""
+    rows = pooled_rows(self.pooling, segment_ids)  # [b, 1] or None
+    if self.gathered:
+      if rows is None or hidden.shape[1] != 1:
+        raise ValueError(f"ClassifierHead(gathered=True) takes the pooled position's [b, 1, e] hidden states "
+                         f"('first' or 'last' pooling), got pooling {self.pooling!r} and {hidden.shape}")
       pooled = hidden[:, 0]  # [b, e]
-    elif self.pooling == "mean":
+    elif rows is None:  # mean
       w = (segment_ids == 1).astype(jnp.float32)[..., None]  # [b, t, 1]
       pooled = jnp.sum(hidden.astype(jnp.float32) * w, axis=1) / jnp.maximum(jnp.sum(w, axis=1), 1.0)
-    elif self.pooling == "last":
-      pooled = jnp.take_along_axis(hidden, last_real_index(segment_ids)[:, None, None], axis=1)[:, 0]  # [b, e]
     else:
-      raise ValueError(f"unknown pooling {self.pooling!r}; choose 'first', 'mean' or 'last'")
+      pooled = jnp.take_along_axis(hidden, rows[..., None], axis=1)[:, 0]  # [b, e]
     e = hidden.shape[-1]
     pooled = jnp.tanh(DenseGeneral((e,), (e,), ("embed", "mlp"), init_std=self.init_std, name="pooler")(pooled))
     pooled = nn.Dropout(self.dropout)(pooled, deterministic=not train)

@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 
 from tfx import ops
-from tfx.models.base import Family
+from tfx.models.base import Family, take_rows
 from tfx.nn import Embed, Stack, make_norm
 from tfx.registry import FAMILIES
 
@@ -43,9 +43,10 @@ class EncoderDecoder(Family):
   # "mean" encoder pooling), needs no decoder step and no label verbalisation.
   POOLING = "mean"
 
-  def sequence_hidden(self, tokens, segment_ids, positions, token_types=None, *, train: bool = False):
-    """[b, s, e] encoder output (final norm and dropout applied); the decoder is not run."""
-    return self(tokens, segment_ids, positions, train=train)
+  def sequence_hidden(self, tokens, segment_ids, positions, token_types=None, *, train: bool = False, rows=None):
+    """[b, s, e] encoder output (final norm and dropout applied); the decoder is not run. At `rows`:
+    gathered from the full output (the encoder's relative-position bias keeps its last layer whole)."""
+    return take_rows(self(tokens, segment_ids, positions, train=train), rows)
 
   @nn.compact
   def __call__(self, encoder_tokens, encoder_segment_ids, encoder_positions, decoder_tokens=None,

@@ -25,7 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tfx.models.base import Family
+from tfx.models.base import Family, take_rows
 from tfx.nn.blocks import rematted, stacked_layers, with_layers_cut
 from tfx.nn.layers import Embed, broadcast_param
 from tfx.nn.xlnet import XLNetLayer, distance_table, relative_encoding, segment_difference, shared_biases
@@ -50,13 +50,14 @@ class XLNet(Family):
   INPUTS: ClassVar[tuple[str, ...]] = ("tokens", "token_types", "content_mask", "query_mask", "target_mapping")
   POOLING: ClassVar[str] = "last"  # XLNet classifies from the <cls> that ends the row
 
-  def sequence_hidden(self, tokens, segment_ids, positions, token_types=None, *, train: bool = False):
+  def sequence_hidden(self, tokens, segment_ids, positions, token_types=None, *, train: bool = False, rows=None):
     """[b, t, e] content-stream hidden states: every position attends every real token of its
-    row (no permutation, no memory; positions are relative, so right padding moves nothing)."""
+    row (no permutation, no memory; positions are relative, so right padding moves nothing). At
+    `rows`: gathered from the full output."""
     real = segment_ids > 0  # [b, t]
     content_mask = jnp.broadcast_to(real[:, None, :], real.shape + real.shape[-1:])  # [b, t, t]
     hidden, _ = self(tokens, token_types, content_mask, train=train, return_hidden=True)
-    return hidden
+    return take_rows(hidden, rows)
 
   @classmethod
   def init_inputs(cls, batch: int, length: int) -> dict[str, jax.Array]:
