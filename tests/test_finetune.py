@@ -24,7 +24,7 @@ from tfx.steps import make_optimizer
 SMOKE = ("finetune.stdlib_classes=4", "finetune.max_train_examples=120", "finetune.max_eval_examples=80",
          "finetune.steps=16", "finetune.eval_every=4", "finetune.log_every=4", "finetune.batch_size=8",
          "finetune.max_length=32", "finetune.learning_rate=1e-3", "finetune.warmup_steps=2", "finetune.patience=0")
-TIMING = ("tokens_per_sec",)
+TIMING = ("tokens_per_sec", "mfu")
 
 FAMILY_OVERRIDES = {
     "decoder": (),

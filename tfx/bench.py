@@ -2,6 +2,7 @@
 
     python -m tfx.bench --config configs/base.py [--config.k=v ...] [--steps 10 --warmup 2 --json out.json]
     python -m tfx.bench --config configs/base.py --sweep model.remat=none,full,dots_saveable
+    python -m tfx.bench --config configs/bert_base.py --finetune 2 [--config.finetune.batch_size=32 ...]
     python -m tfx.bench --suite accel [--tiny] [--batch ROWS_PER_DEVICE] [--only gpt2_small,...]
         [--config.k=v ...] [--sweep model.attention=cudnn,pallas,xla]
     python -m tfx.bench (--suite accel | --config FILE) --lower gpu|tpu   # lowered only (tfx/bench_lower.py)
@@ -11,6 +12,9 @@
 The model, objective, optimizer, sharded state and jitted train step are built exactly as
 `tfx.train` builds them; only the data is synthetic (random token rows of the objective's raw
 length, one document per row), so no corpus or tokenizer is needed and nothing is read.
+`--finetune K`: the fine-tuning step of `tfx.finetune` instead (the config's architecture, a
+K-class `Classifier` pooled as `finetune.pooling` says, its cross-entropy, the `finetune.*` batch,
+length and optimizer), on rows of real tokens filling `finetune.max_length` (default data.seq_len).
 
 Numbers:
   compile_s      tracing + lowering + XLA compilation of the train step
@@ -142,8 +146,28 @@ def build_experiment(config: ml_collections.ConfigDict, devices=None):
                     mesh=mesh, tx=tx, schedule=schedule)
 
 
+def build_finetune_experiment(config: ml_collections.ConfigDict, num_classes: int):
+  """tfx.finetune's `Experiment` for `config`'s architecture: a `num_classes` classifier, its loss and
+  the optimizer of the config's finetune.* settings (the config itself is left as it was)."""
+  from tfx import finetune
+  from tfx.models import build_classifier
+  from tfx.train import Experiment, make_optimizer
+
+  load_builtins()
+  if num_classes < 2:
+    raise UserError(f"--finetune takes the number of classes, at least 2 (got {num_classes})")
+  config = ml_collections.ConfigDict(config.to_dict())
+  finetune.apply_run_settings(config)
+  backbone = build_model(config.model, vocab_size=config.data.vocab_size, max_length=config.data.seq_len)
+  model = build_classifier(backbone, num_classes, pooling=config.finetune.pooling, dropout=config.finetune.dropout)
+  tx, schedule = make_optimizer(config)
+  return Experiment(config=config, workdir="", tokenizer=None,
+                    objective=finetune.ClassificationLoss(num_classes, model.last_layer_queries()), model=model,
+                    pipeline=None, mesh=parallel.make_mesh(config.mesh), tx=tx, schedule=schedule)
+
+
 def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 2, extra=None,
-              profile: str | None = None) -> dict[str, Any]:
+              profile: str | None = None, finetune: int = 0) -> dict[str, Any]:
   """Builds the train step of `config` as training does and times it on synthetic data.
 
   Args:
@@ -155,6 +179,7 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
     profile: optional folder: after the timed steps, three more run under `jax.profiler.trace`,
       which writes its trace there (plugins/profile/<time>/<host>.xplane.pb; TensorBoard's
       profiler or `jax.profiler.ProfileData` reads it).
+    finetune: the number of classes of a fine-tuning step to time instead (0: the training step).
   Returns:
     a dict of plain numbers and strings (see the module docstring); `mfu` is None on devices
     of unknown peak (CPU), `peak_memory_bytes` None where the backend does not report it.
@@ -163,14 +188,21 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
 
   if steps < 1 or warmup < 0:
     raise UserError(f"need --steps >= 1 and --warmup >= 0 (got {steps}, {warmup})")
-  exp = build_experiment(config)
-  seq_len, batch_size = config.data.seq_len, config.train.batch_size
+  exp = build_finetune_experiment(config, finetune) if finetune else build_experiment(config)
+  config = exp.config
+  seq_len = (config.finetune.max_length or config.data.seq_len) if finetune else config.data.seq_len
+  batch_size = config.train.batch_size
+  model_cfg = exp.model.backbone.cfg if finetune else exp.model.cfg
   row_length = exp.objective.raw_length(seq_len)
-  abstract, shardings = state_shardings(exp.model, exp.tx, exp.mesh, seq_len, exp.objective, batch_size)
-  state = init_state(exp.model, exp.tx, exp.mesh, seq_len, config.train.seed, shardings, exp.objective, batch_size)
+  objective = None if finetune else exp.objective  # a classifier's loss has no parameters or state
+  abstract, shardings = state_shardings(exp.model, exp.tx, exp.mesh, seq_len, objective, batch_size)
+  state = init_state(exp.model, exp.tx, exp.mesh, seq_len, config.train.seed, shardings, objective, batch_size)
   train_step = make_train_step(exp, shardings)
   local_rows = batch_size // jax.process_count()
-  host = synthetic_batch(local_rows, row_length, exp.model.cfg.vocab_size, seed=config.train.seed + jax.process_index())
+  host = synthetic_batch(local_rows, row_length, model_cfg.vocab_size, seed=config.train.seed + jax.process_index())
+  if finetune:  # one example a row: its token types (all the first text's) and a label
+    host["token_types"] = np.zeros_like(host["tokens"])
+    host["labels"] = np.random.default_rng(config.train.seed).integers(0, finetune, (local_rows, 1), dtype=np.int32)
   batch = parallel.global_batch(host, exp.mesh)
 
   with compile_timer() as compiled, ops.recorded_choices() as chosen, parallel.context(exp.mesh), \
@@ -208,14 +240,15 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
       print(bench_profile.format_summary(summary), file=sys.stderr, flush=True)
   more = extra(exp, state, batch, frozen) if extra is not None else {}
   step_s = statistics.median(times)
-  per_row = exp.objective.train_flops_per_row(exp.model.cfg, seq_len)
+  per_row = exp.objective.train_flops_per_row(model_cfg, seq_len)
   per_token = per_row / seq_len  # per model position
   achieved = per_row * batch_size / step_s  # model FLOP/s, all devices
   peak = flops.device_peak_flops()
   device = jax.devices()[0]
   return {
       "config_family": config.model.family,
-      "objective": config.objective.name,
+      "objective": (f"finetune ({finetune} classes, pooling {exp.model.pooling})" if finetune
+                    else config.objective.name),
       "parameters": int(sum(np.prod(x.shape) for x in jax.tree.leaves(abstract.params))),
       "batch_size": batch_size,
       "seq_len": seq_len,
@@ -292,11 +325,11 @@ def swept_configs(config_path: str, overrides: list[str], key: str, values: list
   return configs
 
 
-def sweep(config_path: str, overrides: list[str], key: str, values: list[str], *, steps: int, warmup: int
-          ) -> list[dict[str, Any]]:
+def sweep(config_path: str, overrides: list[str], key: str, values: list[str], *, steps: int, warmup: int,
+          finetune: int = 0) -> list[dict[str, Any]]:
   """`benchmark` once per value of one config field (e.g. model.remat), the rest unchanged."""
   configs = swept_configs(config_path, overrides, key, values)
-  return [dict(benchmark(config, steps=steps, warmup=warmup), sweep_key=key, sweep_value=value)
+  return [dict(benchmark(config, steps=steps, warmup=warmup, finetune=finetune), sweep_key=key, sweep_value=value)
           for config, value in zip(configs, values)]
 
 
@@ -327,6 +360,9 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--only", default="", help="with --suite: comma-separated model names (gpt2_small, ...)")
   parser.add_argument("--skip-depth", action="store_true",
                       help="with --suite: leave out GPT-2's compile time at 12 and 48 layers")
+  parser.add_argument("--finetune", type=int, default=0, metavar="CLASSES",
+                      help="time tfx.finetune's step (a classifier with this many classes; finetune.* settings) "
+                           "instead of the training step")
   parser.add_argument("--steps", type=int, default=10, help="timed steps")
   parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the compiling call")
   parser.add_argument("--json", default=None, help="also write the results as JSON to this path (local or gs://)")
@@ -349,6 +385,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.lower != topology_platform(args.topology):
       parser.error(f"--topology {args.topology} is a {topology_platform(args.topology).upper()}: use it with "
                    f"--lower {topology_platform(args.topology)}")
+  if args.finetune and (args.suite or args.lower):
+    parser.error("--finetune times one config's fine-tuning step: not with --suite or --lower")
   parallel.initialize_distributed()
   if args.suite:
     suite_main(args, overrides)
@@ -382,9 +420,9 @@ def main(argv: list[str] | None = None) -> None:
       sys.exit(1 if any(r["error"] for r in lowered) else 0)
     if args.sweep:
       result = sweep(args.config, overrides, key.removeprefix("config."), values.split(","), steps=args.steps,
-                     warmup=args.warmup)
+                     warmup=args.warmup, finetune=args.finetune)
     else:
-      result = benchmark(config, steps=args.steps, warmup=args.warmup, profile=args.profile)
+      result = benchmark(config, steps=args.steps, warmup=args.warmup, profile=args.profile, finetune=args.finetune)
   except UserError as e:
     sys.exit(f"tfx.bench: {e}")
   report(format_sweep(result) if args.sweep else format_table(result), result, args.json)

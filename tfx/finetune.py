@@ -46,7 +46,7 @@ import numpy as np
 import optax
 from etils import epath
 
-from tfx import checkpoint, config as config_lib, parallel, train
+from tfx import checkpoint, config as config_lib, flops, parallel, train
 from tfx.data import store
 from tfx.errors import UserError, exit_with, quiet_background
 from tfx.guard import Guard
@@ -94,6 +94,18 @@ def _scratch_tokenizer(cfg, workdir: str, seed: int):
     raise UserError(str(e)) from e
 
 
+def apply_run_settings(cfg: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
+  """The fine-tune's steps, batch, seed, learning rate, warmup and weight decay become the run's
+  train.* / optim.* (what tfx.train's optimizer and step read); then both validations."""
+  ft = cfg.finetune
+  cfg.train.steps, cfg.train.batch_size, cfg.train.seed, cfg.train.grad_accum = ft.steps, ft.batch_size, ft.seed, 1
+  cfg.optim.learning_rate, cfg.optim.warmup_steps, cfg.optim.weight_decay = (ft.learning_rate, ft.warmup_steps,
+                                                                              ft.weight_decay)
+  num_devices = num_devices or jax.device_count()
+  config_lib.validate_finetune(cfg, num_devices=num_devices, process_count=jax.process_count())
+  config_lib.validate(cfg, num_devices=num_devices, process_count=jax.process_count())
+
+
 def resolve_config(config: ml_collections.ConfigDict | None, from_workdir: str | None, task: str, workdir: str,
                    overrides: Sequence[str] = ()):
   """(the fine-tune run's config, tokenizer): see step 1 of the module docstring."""
@@ -122,11 +134,7 @@ def resolve_config(config: ml_collections.ConfigDict | None, from_workdir: str |
   ft.task, ft.from_workdir = task, from_workdir or ""
   if not from_workdir:
     ft.init = "scratch"
-  cfg.train.steps, cfg.train.batch_size, cfg.train.seed, cfg.train.grad_accum = ft.steps, ft.batch_size, ft.seed, 1
-  cfg.optim.learning_rate, cfg.optim.warmup_steps, cfg.optim.weight_decay = (ft.learning_rate, ft.warmup_steps,
-                                                                              ft.weight_decay)
-  config_lib.validate_finetune(cfg, num_devices=jax.device_count(), process_count=jax.process_count())
-  config_lib.validate(cfg, num_devices=jax.device_count(), process_count=jax.process_count())
+  apply_run_settings(cfg)
   if tokenizer is None:
     tokenizer = _scratch_tokenizer(cfg, workdir, pretraining_seed)
   return cfg, tokenizer
@@ -148,9 +156,22 @@ def _local(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 @dataclasses.dataclass(frozen=True)
 class ClassificationLoss:
   """The objective tfx.train.make_train_step drives for a Classifier: the mean cross-entropy of the
-  logits over rows with a label (>= 0); metrics["num_tokens"] counts those rows."""
+  logits over rows with a label (>= 0); metrics["num_tokens"] counts those rows.
 
+  num_classes, last_layer_queries: the classifier's (`Classifier.last_layer_queries`), for the
+  FLOP count of a row (MFU in the log, `tfx.bench --finetune`)."""
+
+  num_classes: int = 2
+  last_layer_queries: int | None = None
   stateful = False  # no state between steps (tfx.objectives.base.Objective's contract)
+
+  def raw_length(self, seq_len: int) -> int:
+    return seq_len  # one right-padded example a row, as long as the model's rows
+
+  def train_flops_per_row(self, model_cfg, seq_len: int) -> float:
+    """Forward + backward (3x forward) of one row (`tfx.flops.classifier_forward_flops`)."""
+    return 3 * flops.classifier_forward_flops(model_cfg, seq_len, self.num_classes,
+                                              last_layer_queries=self.last_layer_queries)
 
   def loss(self, model, params, batch, rng, *, train: bool):
     logits = model.apply({"params": params}, batch["tokens"], batch["segment_ids"], batch["positions"],
@@ -189,8 +210,8 @@ def build(config, from_workdir: str | None, task_spec: str, workdir: str, overri
   model = build_classifier(backbone, task.num_classes, pooling=ft.pooling, dropout=ft.dropout)
   rows = {s: encode_split(task.splits[s], tokenizer, cfg.model.family, length) for s in SPLITS}
   tx, schedule = train.make_optimizer(cfg)
-  exp = train.Experiment(cfg, workdir, tokenizer, ClassificationLoss(), model, None, parallel.make_mesh(cfg.mesh),
-                         tx, schedule)
+  exp = train.Experiment(cfg, workdir, tokenizer, ClassificationLoss(task.num_classes, model.last_layer_queries()),
+                         model, None, parallel.make_mesh(cfg.mesh), tx, schedule)
   return Setup(cfg, pretrained_config, task, rows, length, exp)
 
 
@@ -362,6 +383,8 @@ def run(config: ml_collections.ConfigDict | None, from_workdir: str | None, task
   step = start_step = int(jax.device_get(state.step))
   guard = _guard(exp.config, writer, progress, latest)
   sign = -1.0 if ft.select_metric == "loss" else 1.0
+  model_flops = exp.objective.train_flops_per_row(exp.model.backbone.cfg, setup.length) * ft.batch_size
+  peak = flops.device_peak_flops()
   pending: list[dict] = []  # device metrics not yet read
   host: list[dict] = []  # read (one transfer per log or save) and passed by the guard
   last_time, last_step = time.time(), step
@@ -388,8 +411,9 @@ def run(config: ml_collections.ConfigDict | None, from_workdir: str | None, task
       sec_per_step = (now - last_time) / (step - last_step) if step > last_step else None
       last_time, last_step = now, step
       values["tokens_per_sec"] = ft.batch_size * setup.length / sec_per_step if sec_per_step else None
+      values["mfu"] = model_flops / sec_per_step / (peak * jax.device_count()) if peak and sec_per_step else None
       writer.write(step, "finetune", values)
-      progress.train(step, values["loss"], values["tokens_per_sec"], sec_per_step)
+      progress.train(step, values["loss"], values["tokens_per_sec"], sec_per_step, values["mfu"])
       last_time = time.time()  # writing the record is not training time
     if evaluated:
       paused = time.time()  # the steps before it were read (finished) above

@@ -91,6 +91,22 @@ def row_forward_flops(cfg, length: int, outputs: int | None = None, *, last_laye
   return (cfg.num_layers - 1) * layer(length) + layer(last) + head
 
 
+def classifier_forward_flops(cfg, length: int, num_classes: int, *, last_layer_queries: int | None = None) -> float:
+  """Forward FLOPs of one fine-tuning row (`tfx.models.Classifier`): the backbone over `length`
+  positions without its LM head (an encoder-decoder's encoder alone), its last layer's queries,
+  attention output and MLP at `last_layer_queries` positions (a pooled token: 1; default every
+  position), then the pooler and the classifier on one vector. The xlnet family adds its positional
+  score table per layer (the relative encodings' projection is once per batch, as in
+  `two_stream_forward_flops` without bi_data)."""
+  e, t = cfg.d_model, length
+  layer = lambda queries: attention_flops(cfg, queries, t) + 2 * queries * mlp_params(cfg)
+  last = t if last_layer_queries is None else last_layer_queries
+  total = (cfg.num_layers - 1) * layer(t) + layer(last)
+  if getattr(cfg, "family", "") == "xlnet":
+    total += cfg.num_layers * 2 * t * (2 * t - 1) * attention_dim(cfg)  # q . W_r R(d) for every distance
+  return total + 2 * e * e + 2 * e * num_classes
+
+
 def seq2seq_forward_flops(cfg, inputs: int, targets: int) -> float:
   """Forward FLOPs of one encoder-decoder row: `inputs` positions through the encoder,
   `targets` through the decoder (self-attention, cross-attention over the inputs, MLP) and the

@@ -73,6 +73,11 @@ class Family(nn.Module):
     """
     raise NotImplementedError(f"model family {self.cfg.family!r} has no sequence classification features")
 
+  def rows_alone(self) -> bool:
+    """Whether `sequence_hidden(rows=)` runs its last layer at the rows alone (else it gathers
+    them from the full output): what a FLOP count of a pooled classifier needs."""
+    return False
+
   def absolute_positions(self, positions: jax.Array, name: str = "position_embed") -> jax.Array | float:
     """[b, t] -> [b, t, e] absolute position embedding; 0.0 for rotary / relative positions
     (applied inside attention)."""

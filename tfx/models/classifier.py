@@ -73,6 +73,12 @@ class Classifier(nn.Module):
     return head(hidden, segment_ids, train=train)  # [b, num_classes]
 
 
+  def last_layer_queries(self) -> int | None:
+    """Positions at which the backbone's last layer computes its queries, attention output and MLP:
+    1 for a pooled token where the family runs it alone (`Family.rows_alone`), None for all."""
+    return 1 if self.pooling != "mean" and self.backbone.rows_alone() else None
+
+
 def build_classifier(backbone: Family, num_classes: int, *, pooling: str = "auto", dropout: float = 0.0) -> Classifier:
   """A Classifier on `backbone`; pooling 'auto' = the family's default (`Family.POOLING`)."""
   pooling = type(backbone).POOLING if pooling == "auto" else pooling

@@ -45,3 +45,6 @@ class Decoder(Family):
     [b, n, e] at `rows`, the last layer computed at those rows alone."""
     return self(tokens, segment_ids, positions, train=train, return_hidden=True, rows=rows)
 
+  def rows_alone(self) -> bool:
+    return True
+

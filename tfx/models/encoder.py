@@ -67,6 +67,9 @@ class Encoder(Family):
     token_types = token_types if self.cfg.type_vocab_size else None
     return self(tokens, segment_ids, positions, token_types=token_types, train=train, return_hidden=True, rows=rows)
 
+  def rows_alone(self) -> bool:
+    return self.cfg.position != "relative"  # a relative-position bias keeps the last layer whole (`_hidden`)
+
   def __call__(self, tokens, segment_ids, positions, *, token_types=None, train: bool = False, mask=None,
                return_hidden: bool = False, return_embeddings: bool = False, rows=None):
     if mask is None:
