@@ -415,6 +415,18 @@ def test_peer_bench_layers_replace_a_size_depth_and_bad_arguments_stop_first():
       peer.main(argv)
 
 
+def test_peer_bench_classifier_is_the_finetune_step_at_the_sizes_shape():
+  """`bert_cls` times tfx.finetune's step (a two-class Classifier pooling [CLS], no dropout) at the
+  size's rows and batch; its state has no objective part."""
+  peer = _bench_peer()
+  exp, objective = peer.tfx_experiment("bert_cls", "small", layers=3)
+  layers, d, _, _, seq, batch, _ = peer.size_spec("small", 3)
+  assert objective is None and (exp.model.num_classes, exp.model.pooling) == (peer.CLASSES, "first")
+  assert (exp.config.model.num_layers, exp.config.model.d_model) == (layers, d)
+  assert (exp.config.train.batch_size, exp.config.finetune.max_length, exp.config.finetune.dropout) == (batch, seq, 0)
+  assert exp.objective.last_layer_queries == 1
+
+
 def test_peer_bench_counts_flops_again_only_for_a_loop():
   """XLA's cost analysis counts a while loop's body once: the peer benchmark compiles tfx's step
   unscanned for its FLOPs only when the compiled step has a loop (a scan that XLA keeps)."""

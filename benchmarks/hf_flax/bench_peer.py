@@ -1,7 +1,7 @@
 """tfx against Hugging Face's Flax models, side by side in one process on one device.
 
     make bench-peer                                  # creates benchmarks/.venv-peer and runs this (CPU)
-    benchmarks/.venv-peer/bin/python benchmarks/hf_flax/bench_peer.py [--models gpt2,bert,t5]
+    benchmarks/.venv-peer/bin/python benchmarks/hf_flax/bench_peer.py [--models gpt2,bert,t5,bert_cls]
         [--sizes small,medium,deep,base] [--layers 2,4,8] [--dtype float32|bfloat16] [--reps 10]
         [--compiles 3] [--json out.json]
 
@@ -20,6 +20,12 @@ transform (tfx's own, on both sides, with the same key: causal-LM shift, BERT ma
 span corruption), forward, backward and the same optax AdamW chain (`tfx.steps.make_optimizer`).
 The tfx step is `tfx.steps.make_train_step`, exactly what `tfx.train` runs (its metrics: loss,
 accuracy, grad norm, learning rate); the HF step computes the loss only.
+
+`bert_cls` is fine-tuning instead: a two-class sequence classifier on BERT ([CLS] pooled through a
+tanh dense layer, then the classifier), tfx's `tfx.finetune` step (`Classifier`, its cross-entropy;
+`tfx.bench.build_finetune_experiment`) against `FlaxBertForSequenceClassification` with the same
+weights (the backbone through `to_hf`, the pooler and classifier copied), on rows of real tokens
+with a random label each.
 
 Reported per model and size (ratio = tfx / HF; < 1 means tfx is faster or smaller):
   step      median wall time of `--reps` steps, tfx and HF interleaved step by step; the ratio is
@@ -60,7 +66,9 @@ MODELS = {
     "gpt2": ("configs/base.py", ["--config.model.norm_eps=1e-5"]),
     "bert": ("configs/bert_base.py", []),
     "t5": ("configs/t5_base.py", []),
+    "bert_cls": ("configs/bert_base.py", []),  # fine-tuning: a two-class sequence classifier
 }
+CLASSES = 2  # bert_cls's labels
 # size -> (layers, d_model, heads, d_ff, seq_len, batch, vocab). `deep` is `medium` at GPT-2-small's
 # depth: what a scanned stack (tfx) and unrolled layers (HF) do to compile time and memory as
 # layers are added. `base` is GPT-2-small / BERT-base / T5-base's width at rows of 512: a GPU's size.
@@ -118,9 +126,64 @@ def tfx_config(model: str, size: str, *, scan: bool = True, layers: int | None =
   return config_lib.load_config(os.path.join(ROOT, path), overrides)
 
 
+def tfx_experiment(model: str, size: str, *, scan: bool = True, layers: int | None = None):
+  """(the tfx Experiment, the objective its state is built with): the training step's, or for
+  bert_cls tfx.finetune's (finetune.* at the size's batch and rows, no dropout; no objective state)."""
+  config = tfx_config(model, size, scan=scan, layers=layers)
+  if model != "bert_cls":
+    exp = bench.build_experiment(config)
+    return exp, exp.objective
+  config.finetune.batch_size, config.finetune.max_length = config.train.batch_size, config.data.seq_len
+  config.finetune.dropout = 0.0
+  return bench.build_finetune_experiment(config, CLASSES), None
+
+
+def export_classifier(exp, params, path: str, dtype: str):
+  """HF's FlaxBertForSequenceClassification holding tfx's classifier weights: the backbone through
+  `to_hf` (completed with a pretraining model's MLM head, which HF's class then drops), the pooler
+  and classifier copied."""
+  import flax.linen as nn
+  import transformers
+
+  from tfx.models import build_model
+
+  config = exp.config
+  seq = config.data.seq_len
+  backbone = build_model(config.model, vocab_size=config.data.vocab_size, max_length=seq)
+  full = nn.unbox(backbone.init(jax.random.key(0), **type(backbone).init_inputs(1, seq))["params"])
+  full = {**jax.device_get(full), **params["backbone"]}  # the classifier's backbone is a subset, by top-level key
+  to_hf(config, full, path)
+  hf_model = transformers.FlaxBertForSequenceClassification.from_pretrained(
+      path, from_pt=True, num_labels=CLASSES, dtype=jnp.dtype(dtype))
+  hf = jax.tree.map(np.asarray, hf_model.params)
+  head = params["head"]
+  hf["bert"]["pooler"]["dense"] = {k: np.asarray(head["pooler"][k]) for k in ("kernel", "bias")}
+  hf["classifier"] = {k: np.asarray(head["classifier"][k]) for k in ("kernel", "bias")}
+  hf_model.params = hf
+  return hf_model
+
+
+def check_logits(exp, params, hf_model, hf_params, batch, dtype: str) -> None:
+  """Stops unless both classifiers give the same logits on `batch` (relative to their spread)."""
+  with parallel.context(exp.mesh):
+    ours = exp.model.apply({"params": params}, batch["tokens"], batch["segment_ids"], batch["positions"],
+                           batch["token_types"])
+  kwargs, _, _ = hf_inputs("bert_cls", None, batch, None)
+  theirs = hf_model.module.apply({"params": hf_params}, **kwargs, deterministic=True).logits
+  ours, theirs = np.asarray(ours, np.float32), np.asarray(theirs, np.float32)
+  scale = float(np.abs(ours).max())
+  if scale == 0 or np.abs(ours - theirs).max() > 10 * LOSS_RTOL[dtype] * scale:
+    raise SystemExit(f"bert_cls: tfx and HF logits differ (max |difference| {np.abs(ours - theirs).max():.3g}, "
+                     f"max |logit| {scale:.3g}): not the same function")
+
+
 def hf_inputs(model: str, objective, batch, rng):
   """The HF model's inputs and the loss targets/weights, from tfx's own objective transform with
   the key the tfx step uses (so both see the same masked / corrupted rows)."""
+  if model == "bert_cls":  # one example a row: its label, weight 1
+    kwargs = dict(input_ids=batch["tokens"], attention_mask=(batch["segment_ids"] > 0).astype(jnp.int32),
+                  token_type_ids=batch["token_types"], position_ids=batch["positions"], head_mask=None)
+    return kwargs, batch["labels"][:, 0], jnp.ones(batch["labels"].shape[:1], jnp.float32)
   if model == "gpt2":
     x = causal_lm_inputs(batch, objective.bos_id)
     kwargs = dict(input_ids=x["inputs"], attention_mask=(batch["segment_ids"] > 0).astype(jnp.int32),
@@ -178,18 +241,24 @@ def run_one(model: str, size: str, reps: int, log, *, dtype: str = "float32", co
             layers: int | None = None) -> dict:
   import transformers
 
-  config = tfx_config(model, size, layers=layers)
-  exp = bench.build_experiment(config)
+  exp, objective = tfx_experiment(model, size, layers=layers)
+  config = exp.config
   seq_len, batch_size = config.data.seq_len, config.train.batch_size
-  _, shardings = state_shardings(exp.model, exp.tx, exp.mesh, seq_len, exp.objective, batch_size)
-  state = init_state(exp.model, exp.tx, exp.mesh, seq_len, config.train.seed, shardings, exp.objective, batch_size)
-  host = bench.synthetic_batch(batch_size, exp.objective.raw_length(seq_len), exp.model.cfg.vocab_size)
+  _, shardings = state_shardings(exp.model, exp.tx, exp.mesh, seq_len, objective, batch_size)
+  state = init_state(exp.model, exp.tx, exp.mesh, seq_len, config.train.seed, shardings, objective, batch_size)
+  host = bench.synthetic_batch(batch_size, exp.objective.raw_length(seq_len), config.data.vocab_size)
+  if model == "bert_cls":
+    host["token_types"] = np.zeros_like(host["tokens"])
+    host["labels"] = np.random.default_rng(0).integers(0, CLASSES, (batch_size, 1), dtype=np.int32)
   batch = parallel.global_batch(host, exp.mesh)
 
   with tempfile.TemporaryDirectory() as tmp:
-    arch = to_hf(config, jax.device_get(state.params), tmp)
-    cls = getattr(transformers, "Flax" + arch)
-    hf_model = cls.from_pretrained(tmp, from_pt=True, dtype=jnp.dtype(dtype))  # compute dtype; fp32 weights
+    if model == "bert_cls":
+      hf_model = export_classifier(exp, jax.device_get(state.params), tmp, dtype)
+    else:
+      arch = to_hf(config, jax.device_get(state.params), tmp)
+      hf_model = getattr(transformers, "Flax" + arch).from_pretrained(tmp, from_pt=True, dtype=jnp.dtype(dtype))
+    cls = type(hf_model)  # compute dtype; fp32 weights
   hf_params = jax.tree.map(jnp.asarray, hf_model.params)
   copy = lambda x: jnp.array(x, copy=True)  # both states are donated: share no buffer
   hf_state = (hf_params, exp.tx.init(hf_params), copy(state.rng), copy(state.step))
@@ -205,12 +274,14 @@ def run_one(model: str, size: str, reps: int, log, *, dtype: str = "float32", co
     hf_c, s, hf_flops, hf_temp = compile_stats(hf_step, hf_state, batch)
     hf_compile.append(s)
   if has_loop(tfx_c):  # the layers' loop: count them from the same step unscanned
-    unrolled = bench.build_experiment(tfx_config(model, size, scan=False, layers=layers))
+    unrolled, unrolled_objective = tfx_experiment(model, size, scan=False, layers=layers)
     abstract, unrolled_shardings = state_shardings(unrolled.model, unrolled.tx, unrolled.mesh, seq_len,
-                                                   unrolled.objective, batch_size)
+                                                   unrolled_objective, batch_size)
     with parallel.context(unrolled.mesh):
       _, _, tfx_flops, _ = compile_stats(make_train_step(unrolled, unrolled_shardings).jitted, abstract, batch, None)
 
+  if model == "bert_cls":  # a two-class loss is near log 2 whatever the weights: compare the logits too
+    check_logits(exp, state.params, hf_model, hf_state[0], batch, dtype)
   # Same function: the first step's losses (before any update).
   with parallel.context(exp.mesh):
     state, metrics = tfx_c(state, batch, None)
@@ -233,7 +304,8 @@ def run_one(model: str, size: str, reps: int, log, *, dtype: str = "float32", co
   layers, d, heads, ff, seq, b, vocab = size_spec(size, layers)
   ratio, low, high = paired_ratio(tfx_times, hf_times)
   return {
-      "model": model, "size": size, "layers": layers, "hf_class": cls.__name__, "objective": config.objective.name,
+      "model": model, "size": size, "layers": layers, "hf_class": cls.__name__,
+      "objective": "finetune" if model == "bert_cls" else config.objective.name,
       "shape": f"{layers}L d{d} h{heads} ff{ff}, {b}x{seq}, vocab {vocab}" + ("" if dtype == "float32" else f", {dtype}"),
       "device_kind": jax.devices()[0].device_kind, "dtype": dtype,
       "loss_tfx": tfx_loss, "loss_hf": hf_loss,
