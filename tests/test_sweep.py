@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 from scipy import stats
@@ -118,7 +119,15 @@ def _png_ok(path: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_sweep_end_to_end_and_a_killed_sweep_completes_what_is_missing(tmp_path, shared_tokenizer):
+def test_the_runs_compilation_cache_is_the_workdirs_unless_one_is_set(monkeypatch):
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+  assert sweep.cache_path("auto", "runs/s") == os.path.join("runs/s", sweep.CACHE_DIR)
+  assert sweep.cache_path("off", "runs/s") == "" and sweep.cache_path("gs://b/c", "runs/s") == "gs://b/c"
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/shared/jax")
+  assert sweep.cache_path("auto", "runs/s") == "/shared/jax"
+
+
+def test_a_sweep_end_to_end_and_a_killed_sweep_completes_what_is_missing(tmp_path, shared_tokenizer, monkeypatch):
   sweep_file = _write(tmp_path, shared_tokenizer, FINETUNE)
   workdir = str(tmp_path / "w")
   # Killed: a subprocess runs the sweep and is killed once the first run is complete.
@@ -133,8 +142,14 @@ def test_a_sweep_end_to_end_and_a_killed_sweep_completes_what_is_missing(tmp_pat
   assert os.path.exists(first)
   first_record = open(first).read()
 
+  cache_before = jax.config.jax_compilation_cache_dir
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)  # the tests' own cache (conftest.py)
   sweep.main([sweep_file, "--workdir", workdir])
   assert open(first).read() == first_record  # not run again
+  # Without $JAX_COMPILATION_CACHE_DIR the runs share WORKDIR/jax_cache; this process's own setting
+  # is back as it was.
+  assert os.listdir(os.path.join(workdir, sweep.CACHE_DIR))
+  assert jax.config.jax_compilation_cache_dir == cache_before
   s = sweep.load_sweep(sweep_file, smoke=False)
   runs = sweep.plan(s, workdir)
   assert {r.key for r in runs} == {"causal/0", "causal/1", "prefix/0", "prefix/1", f"{sweep.SCRATCH}/0",

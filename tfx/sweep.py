@@ -26,12 +26,17 @@ both. `--parallel N` runs N runs at a time as subprocesses, on disjoint device s
 there are GPUs (CUDA_VISIBLE_DEVICES, within the one this process was given); `--print-commands` prints
 one command per pending run, for a cluster scheduler. The report (tfx/sweep_report.py) is
 written after every sweep and by `--report-only`.
+
+The runs share JAX's persistent compilation cache (`--compilation-cache`, default WORKDIR/jax_cache,
+or $JAX_COMPILATION_CACHE_DIR where that is set): the seeds of an arm compile the same programs
+(the seed is an input, not a constant), so only the first compiles them; the results are the same.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -43,7 +48,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Iterator
 
 from etils import epath
 
@@ -51,6 +56,7 @@ from tfx.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository (configs/ beside tfx/)
 RUN_FILE = "run.json"
+CACHE_DIR = "jax_cache"  # WORKDIR/jax_cache: the runs' compiled programs (--compilation-cache auto)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,6 +306,36 @@ def execute(run: Planned) -> dict[str, Any]:
   return record
 
 
+def cache_path(choice: str, workdir: str) -> str:
+  """The compilation cache of a sweep's runs: 'auto' = $JAX_COMPILATION_CACHE_DIR if set, else
+  WORKDIR/jax_cache; 'off' = none (''); anything else is the path (local or gs://)."""
+  if choice == "off":
+    return ""
+  if choice == "auto":
+    return os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(workdir, CACHE_DIR)
+  return choice
+
+
+@contextlib.contextmanager
+def compilation_cache(path: str) -> Iterator[None]:
+  """JAX's persistent compilation cache at `path` inside the block ('' = left as it is), restored
+  after it: the runs executed here reuse each other's compiled steps."""
+  if not path:
+    yield
+    return
+  import jax  # noqa: PLC0415
+  from jax.experimental.compilation_cache import compilation_cache as cache  # noqa: PLC0415
+
+  before = jax.config.jax_compilation_cache_dir
+  jax.config.update("jax_compilation_cache_dir", path)
+  cache.reset_cache()  # JAX decides once per process whether to use the cache: ask again
+  try:
+    yield
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before)
+    cache.reset_cache()
+
+
 INTERRUPTED = 75  # exit status of a sweep (or one run of it) stopped by SIGTERM after a checkpoint (EX_TEMPFAIL)
 
 
@@ -338,10 +374,13 @@ def _device_env(slot: int, parallel: int, accelerators: tuple[str, int]) -> dict
   return {"CUDA_VISIBLE_DEVICES": ",".join(pool[slot * per:(slot + 1) * per])}
 
 
-def run_parallel(sweep_file: str, workdir: str, smoke: bool, runs: list[Planned], parallel: int) -> list[int]:
-  """Runs `runs` as subprocesses, `parallel` at a time, each on its own device subset; exit codes."""
+def run_parallel(sweep_file: str, workdir: str, smoke: bool, runs: list[Planned], parallel: int,
+                 cache: str = "") -> list[int]:
+  """Runs `runs` as subprocesses, `parallel` at a time, each on its own device subset (and the
+  compilation cache `cache`, '' = none); exit codes."""
   accelerators = _accelerators()
   _device_env(0, parallel, accelerators)  # devices that cannot be split stop here, before any run
+  cache_env = {"JAX_COMPILATION_CACHE_DIR": cache} if cache else {}
   slots = list(range(parallel))
 
   def one(run: Planned) -> int:
@@ -351,7 +390,8 @@ def run_parallel(sweep_file: str, workdir: str, smoke: bool, runs: list[Planned]
       log.mkdir(parents=True, exist_ok=True)
       with open(os.path.join(run.directory, "sweep.log"), "a") as f:
         return subprocess.run(_command(sweep_file, workdir, smoke, run), stdout=f, stderr=subprocess.STDOUT,
-                              env={**os.environ, **_device_env(slot, parallel, accelerators)}, cwd=ROOT).returncode
+                              env={**os.environ, **_device_env(slot, parallel, accelerators), **cache_env},
+                              cwd=ROOT).returncode
     finally:
       slots.append(slot)
 
@@ -377,6 +417,9 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--print-commands", action="store_true", help="print one command per pending run and exit")
   parser.add_argument("--only", default="", help="only this arm, or ARM/SEED")
   parser.add_argument("--report-only", action="store_true", help="only aggregate what is complete")
+  parser.add_argument("--compilation-cache", default="auto", metavar="DIR|auto|off",
+                      help="JAX's persistent compilation cache shared by the runs (auto: $JAX_COMPILATION_CACHE_DIR "
+                           f"if set, else WORKDIR/{CACHE_DIR})")
   parser.add_argument("--no-report", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   try:
@@ -394,7 +437,7 @@ def main(argv: list[str] | None = None) -> None:
       print(f"tfx.sweep {sweep.name}: {len(runs)} runs, {done} complete, {len(pending)} to run", flush=True)
       if args.parallel > 1:
         codes = run_parallel(os.path.abspath(args.sweep_file), os.path.abspath(args.workdir), args.smoke, pending,
-                             args.parallel)
+                             args.parallel, cache_path(args.compilation_cache, os.path.abspath(args.workdir)))
         failed = [r.key for r, c in zip(pending, codes) if c not in (0, INTERRUPTED)]
         if failed:
           raise UserError(f"runs failed: {', '.join(failed)} (see sweep.log in their directories)")
@@ -403,13 +446,14 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True)
           sys.exit(INTERRUPTED)
       else:
-        for i, run in enumerate(pending):
-          print(f"tfx.sweep: [{i + 1}/{len(pending)}] {run.key} -> {run.directory}", flush=True)
-          result = execute(run)
-          if result.get("status") == "interrupted":  # SIGTERM (a preemption): the whole sweep stops
-            print(f"tfx.sweep: {run.key} stopped at step {result.get('step')} (checkpoint saved); the sweep stops "
-                  f"here: run the same command to resume", flush=True)
-            sys.exit(INTERRUPTED)
+        with compilation_cache(cache_path(args.compilation_cache, args.workdir)):
+          for i, run in enumerate(pending):
+            print(f"tfx.sweep: [{i + 1}/{len(pending)}] {run.key} -> {run.directory}", flush=True)
+            result = execute(run)
+            if result.get("status") == "interrupted":  # SIGTERM (a preemption): the whole sweep stops
+              print(f"tfx.sweep: {run.key} stopped at step {result.get('step')} (checkpoint saved); the sweep stops "
+                    f"here: run the same command to resume", flush=True)
+              sys.exit(INTERRUPTED)
     if not args.no_report:
       paths = sweep_report.write_report(sweep, runs, args.workdir)
       print(f"tfx.sweep: report {', '.join(paths)}")
