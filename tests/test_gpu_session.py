@@ -24,7 +24,7 @@ sys.modules.update(dict.fromkeys(("grain", "datasets", "tensorboardX", "gcsfs"))
 # Every step but `peer`, which needs transformers 4.57.6 (not in tfx's environment: its own test
 # below runs it in benchmarks/.venv-peer where that exists).
 STEPS = ["env", "attention", "reductions", "suite", "t5_128", "t5_128u", "scanned", "kernels", "loss_chunk", "profile",
-         "bias", "xla_flags", "baseline"]
+         "bias", "xla_flags", "baseline", "finetune"]
 PEER_PYTHON = os.path.join(ROOT, "benchmarks", ".venv-peer", "bin", "python")
 
 
@@ -101,6 +101,9 @@ def test_session_runs_every_step_and_writes_its_results(tmp_path):
   assert all(len(r["models"]) == 1 and r["compile_layers"] == {} for r in kernels["runs"])
   chunks = json.loads((out / "loss_chunk.json").read_text())
   assert [r["overrides"] for r in chunks["runs"]] == [["model.loss_chunk=256"]]
+  tuned = json.loads((out / "finetune.json").read_text())
+  assert tuned["objective"] == "finetune (2 classes, pooling first)" and tuned["batch_size"] == 2
+  assert tuned["row_length"] == 64 and tuned["step_s"] > 0
   profiled = json.loads((out / "profile.json").read_text())
   assert all(m["profile"]["busy_ms_per_step"] > 0 for m in profiled["models"])
   assert sorted(p.name for p in (out / "profile").iterdir()) == sorted(m["name"] for m in profiled["models"])

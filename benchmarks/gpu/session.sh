@@ -39,6 +39,9 @@
 #   profile      three steps of each suite model traced (OUT/profile/<model>) and their   300 s
 #                kernels summed by kind (python -m tfx.bench_profile); each HLO kernel's time
 #                joined with its bytes (ms, GB, TB/s: profile.json's profile.bytes)
+#   finetune     BERT-base's fine-tuning step (tfx.finetune's: a two-class classifier      90 s
+#                pooling [CLS], whose last layer runs at [CLS] alone; 32 rows of 128, bf16,
+#                no dropout): python -m tfx.bench --finetune, its MFU (OUT/finetune.json)
 #   peer         tfx against Hugging Face's Flax GPT-2, BERT and T5 on the GPU, side by   330 s
 #                side (benchmarks/hf_flax/bench_peer.py: bf16, the `base` size, tfx's
 #                layers unrolled as in the suite; OUT/peer.json). transformers 4.57.6 and
@@ -66,7 +69,8 @@ set -u
 out=$1
 shift
 steps=("$@")
-all_steps=(env attention reductions suite t5_128 t5_128u scanned kernels loss_chunk profile bias xla_flags baseline peer)
+all_steps=(env attention reductions suite t5_128 t5_128u scanned kernels loss_chunk profile bias xla_flags baseline
+           finetune peer)
 [ ${#steps[@]} -gt 0 ] || steps=("${all_steps[@]}")
 for step in "${steps[@]}"; do
   [[ " ${all_steps[*]} " == *" $step "* ]] || { echo "unknown step $step (${all_steps[*]})" >&2; exit 2; }
@@ -105,6 +109,7 @@ fi
 size=(--batch 32)
 t5=(--batch 128)
 peer=(--dtype bfloat16 --sizes base --reps 10 --compiles 1 --tfx-override=--config.model.scan_unroll=0)
+finetune=(--config.finetune.batch_size=32 --config.finetune.max_length=128)
 check=()
 reductions=()
 bias=()
@@ -115,6 +120,9 @@ if [ -n "${TFX_GPU_TINY:-}" ]; then
   check=(--length 32)
   reductions=(--tiny)
   peer=(--dtype bfloat16 --models gpt2,t5 --sizes small --reps 2 --compiles 1)
+  finetune=(--config.finetune.batch_size=2 --config.finetune.max_length=64 --config.model.num_layers=2
+            --config.model.d_model=64 --config.model.num_heads=2 --config.model.d_ff=128 --config.data.vocab_size=1024
+            --steps 2 --warmup 1)
 fi
 
 run() {  # run NAME LIMIT_SECONDS COMMAND...
@@ -164,6 +172,9 @@ print(\"ml_collections from\", ml_collections.__file__)'
                    i=$((i + 1)); echo "== XLA_FLAGS=${XLA_FLAGS:-} $flag"
                    XLA_FLAGS="${XLA_FLAGS:-} $flag" "$@" --json "$0/xla_flags_$i.json" || exit
                  done' "$out" "${bench[@]}" --only gpt2_small --skip-depth ;;
+    finetune) run finetune 90 "$py" -m tfx.bench --config configs/bert_base.py --finetune 2 \
+                --config.model.dtype=bfloat16 --config.model.dropout=0.0 --config.model.attention_dropout=0.0 \
+                "${finetune[@]}" --json "$out/finetune.json" ;;
     peer) run peer 330 env PYTHONPATH="$peer_path" "$py" benchmarks/hf_flax/bench_peer.py "${peer[@]}" \
             --json "$out/peer.json" ;;
     baseline) run baseline 240 env PYTHONPATH="$base:$deps${outer_path:+:$outer_path}" \
