@@ -232,11 +232,11 @@ def test_a_preempted_parallel_run_is_reported_as_stopped_not_failed(tmp_path, sh
   """In --parallel mode the runs are subprocesses: one stopped by SIGTERM (exit status 75) stops
   the sweep with 75 and the resume hint; any other non-zero status is a failure."""
   sweep_file = _write(tmp_path, shared_tokenizer)
-  monkeypatch.setattr(sweep, "run_parallel", lambda file, workdir, smoke, runs, n: [0, sweep.INTERRUPTED, 0, 0])
+  monkeypatch.setattr(sweep, "run_parallel", lambda file, workdir, smoke, runs, n, cache: [0, sweep.INTERRUPTED, 0, 0])
   with pytest.raises(SystemExit) as stopped:
     sweep.main([sweep_file, "--workdir", str(tmp_path / "w"), "--parallel", "2"])
   assert stopped.value.code == sweep.INTERRUPTED
   assert "causal/1 stopped early (checkpoints saved): run the same command" in capsys.readouterr().out
-  monkeypatch.setattr(sweep, "run_parallel", lambda file, workdir, smoke, runs, n: [0, sweep.INTERRUPTED, 1, 0])
+  monkeypatch.setattr(sweep, "run_parallel", lambda file, workdir, smoke, runs, n, cache: [0, sweep.INTERRUPTED, 1, 0])
   with pytest.raises(SystemExit, match="runs failed: prefix/0"):
     sweep.main([sweep_file, "--workdir", str(tmp_path / "w"), "--parallel", "2"])

@@ -98,20 +98,10 @@ def compile_timer() -> Iterator[dict[str, float]]:
     monitoring.unregister_event_duration_listener(listen)
 
 
-@contextlib.contextmanager
-def no_compilation_cache() -> Iterator[None]:
+def no_compilation_cache() -> contextlib.AbstractContextManager:
   """Compiles inside the block are real compiles: JAX's persistent cache (JAX_COMPILATION_CACHE_DIR,
   which tfx.launch sets) would otherwise load a program compiled before and time the load."""
-  from jax.experimental.compilation_cache import compilation_cache
-
-  before = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  compilation_cache.reset_cache()  # JAX decides once per process whether to use the cache: ask again
-  try:
-    yield
-  finally:
-    jax.config.update("jax_enable_compilation_cache", before)
-    compilation_cache.reset_cache()
+  return parallel.compilation_cache(enabled=False)
 
 
 def peak_memory_bytes() -> int | None:

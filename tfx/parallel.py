@@ -17,6 +17,28 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tfx.config import resolve_mesh_shape
 
+@contextlib.contextmanager
+def compilation_cache(directory: str | None = None, *, enabled: bool = True):
+  """JAX's persistent compilation cache inside the block, as it was after it: at `directory` (None:
+  wherever it is, if anywhere), or not read or written at all (`enabled=False`: a compile that is
+  timed). JAX decides once per process whether to use the cache, so it is asked again both ways."""
+  from jax.experimental.compilation_cache import compilation_cache as cache  # noqa: PLC0415
+
+  settings = {"jax_enable_compilation_cache": enabled}
+  if directory is not None:
+    settings["jax_compilation_cache_dir"] = directory
+  before = {name: getattr(jax.config, name) for name in settings}
+  for name, value in settings.items():
+    jax.config.update(name, value)
+  cache.reset_cache()
+  try:
+    yield
+  finally:
+    for name, value in before.items():
+      jax.config.update(name, value)
+    cache.reset_cache()
+
+
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 

@@ -48,7 +48,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any
 
 from etils import epath
 
@@ -316,32 +316,22 @@ def cache_path(choice: str, workdir: str) -> str:
   return choice
 
 
-@contextlib.contextmanager
-def compilation_cache(path: str) -> Iterator[None]:
+def compilation_cache(path: str) -> contextlib.AbstractContextManager:
   """JAX's persistent compilation cache at `path` inside the block ('' = left as it is), restored
   after it: the runs executed here reuse each other's compiled steps."""
   if not path:
-    yield
-    return
-  import jax  # noqa: PLC0415
-  from jax.experimental.compilation_cache import compilation_cache as cache  # noqa: PLC0415
+    return contextlib.nullcontext()
+  from tfx import parallel  # noqa: PLC0415  (jax: not at import, the report alone needs none)
 
-  before = jax.config.jax_compilation_cache_dir
-  jax.config.update("jax_compilation_cache_dir", path)
-  cache.reset_cache()  # JAX decides once per process whether to use the cache: ask again
-  try:
-    yield
-  finally:
-    jax.config.update("jax_compilation_cache_dir", before)
-    cache.reset_cache()
+  return parallel.compilation_cache(path)
 
 
 INTERRUPTED = 75  # exit status of a sweep (or one run of it) stopped by SIGTERM after a checkpoint (EX_TEMPFAIL)
 
 
-def _command(sweep_file: str, workdir: str, smoke: bool, run: Planned) -> list[str]:
+def _command(sweep_file: str, workdir: str, smoke: bool, run: Planned, cache: str = "auto") -> list[str]:
   return [sys.executable, "-m", "tfx.sweep", sweep_file, "--workdir", workdir, *(["--smoke"] if smoke else []),
-          "--only", run.key, "--no-report"]
+          "--only", run.key, "--no-report", *([] if cache == "auto" else ["--compilation-cache", cache])]
 
 
 def _accelerators() -> tuple[str, int]:
@@ -375,12 +365,11 @@ def _device_env(slot: int, parallel: int, accelerators: tuple[str, int]) -> dict
 
 
 def run_parallel(sweep_file: str, workdir: str, smoke: bool, runs: list[Planned], parallel: int,
-                 cache: str = "") -> list[int]:
-  """Runs `runs` as subprocesses, `parallel` at a time, each on its own device subset (and the
-  compilation cache `cache`, '' = none); exit codes."""
+                 cache: str = "auto") -> list[int]:
+  """Runs `runs` as subprocesses, `parallel` at a time, each on its own device subset and with the
+  compilation cache `cache` (a --compilation-cache value); exit codes."""
   accelerators = _accelerators()
   _device_env(0, parallel, accelerators)  # devices that cannot be split stop here, before any run
-  cache_env = {"JAX_COMPILATION_CACHE_DIR": cache} if cache else {}
   slots = list(range(parallel))
 
   def one(run: Planned) -> int:
@@ -389,9 +378,8 @@ def run_parallel(sweep_file: str, workdir: str, smoke: bool, runs: list[Planned]
       log = epath.Path(run.directory)
       log.mkdir(parents=True, exist_ok=True)
       with open(os.path.join(run.directory, "sweep.log"), "a") as f:
-        return subprocess.run(_command(sweep_file, workdir, smoke, run), stdout=f, stderr=subprocess.STDOUT,
-                              env={**os.environ, **_device_env(slot, parallel, accelerators), **cache_env},
-                              cwd=ROOT).returncode
+        return subprocess.run(_command(sweep_file, workdir, smoke, run, cache), stdout=f, stderr=subprocess.STDOUT,
+                              env={**os.environ, **_device_env(slot, parallel, accelerators)}, cwd=ROOT).returncode
     finally:
       slots.append(slot)
 
@@ -430,14 +418,15 @@ def main(argv: list[str] | None = None) -> None:
     pending = [r for r in _select(runs, args.only) if status(r) != "done"]
     if args.print_commands:
       for run in pending:
-        print(shlex.join(_command(os.path.abspath(args.sweep_file), os.path.abspath(args.workdir), args.smoke, run)))
+        print(shlex.join(_command(os.path.abspath(args.sweep_file), os.path.abspath(args.workdir), args.smoke, run,
+                                  args.compilation_cache)))
       return
     if not args.report_only:
       done = len(runs) - len([r for r in runs if status(r) != "done"])
       print(f"tfx.sweep {sweep.name}: {len(runs)} runs, {done} complete, {len(pending)} to run", flush=True)
       if args.parallel > 1:
         codes = run_parallel(os.path.abspath(args.sweep_file), os.path.abspath(args.workdir), args.smoke, pending,
-                             args.parallel, cache_path(args.compilation_cache, os.path.abspath(args.workdir)))
+                             args.parallel, cache_path(args.compilation_cache, os.path.abspath(args.workdir)) or "off")
         failed = [r.key for r, c in zip(pending, codes) if c not in (0, INTERRUPTED)]
         if failed:
           raise UserError(f"runs failed: {', '.join(failed)} (see sweep.log in their directories)")

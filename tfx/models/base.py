@@ -69,7 +69,7 @@ class Family(nn.Module):
     never reaches padding, so whatever follows a row's last real token changes nothing before
     it. The parameters it uses are a subset of those of the family's pretraining call.
     `rows` [b, n] int: the hidden states at those positions only, [b, n, e] (a classifier's pooled
-    token); a family whose stack can computes its last layer at those rows alone.
+    token); families that can (`rows_alone`) compute their last layer at those rows alone.
     """
     raise NotImplementedError(f"model family {self.cfg.family!r} has no sequence classification features")
 

@@ -72,7 +72,6 @@ class Classifier(nn.Module):
                           gathered=rows is not None, name="head")
     return head(hidden, segment_ids, train=train)  # [b, num_classes]
 
-
   def last_layer_queries(self) -> int | None:
     """Positions at which the backbone's last layer computes its queries, attention output and MLP:
     1 for a pooled token where the family runs it alone (`Family.rows_alone`), None for all."""
