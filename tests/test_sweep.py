@@ -118,7 +118,6 @@ def _png_ok(path: str) -> None:
   assert matplotlib.image.imread(path).ndim == 3
 
 
-@pytest.mark.slow
 def test_the_runs_compilation_cache_is_the_workdirs_unless_one_is_set(monkeypatch):
   monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
   assert sweep.cache_path("auto", "runs/s") == os.path.join("runs/s", sweep.CACHE_DIR)
@@ -127,6 +126,7 @@ def test_the_runs_compilation_cache_is_the_workdirs_unless_one_is_set(monkeypatc
   assert sweep.cache_path("auto", "runs/s") == "/shared/jax"
 
 
+@pytest.mark.slow
 def test_a_sweep_end_to_end_and_a_killed_sweep_completes_what_is_missing(tmp_path, shared_tokenizer, monkeypatch):
   sweep_file = _write(tmp_path, shared_tokenizer, FINETUNE)
   workdir = str(tmp_path / "w")
