@@ -240,8 +240,7 @@ def test_classifier_flops_match_xla_cost_analysis(overrides):
   assert (objective.last_layer_queries == 1) == (model.pooling != "mean" and "--config.model.position=relative" not in
                                                  overrides)
   params = nn.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), **type(model).init_inputs(1, seq)))["params"])
-  data = bench.synthetic_batch(batch, seq, 1000)
-  data.update(token_types=np.zeros((batch, seq), np.int32), labels=np.ones((batch, 1), np.int32))
+  data = bench.classification_batch(batch, seq, 1000, 3)
   loss = lambda p, b: objective.loss(model, p, b, jax.random.key(0), train=False)[0]
   xla = jax.jit(loss).lower(params, data).compile().cost_analysis()["flops"]
   analytic = objective.train_flops_per_row(model.backbone.cfg, seq) / 3 * batch

@@ -80,6 +80,16 @@ def synthetic_batch(batch_size: int, length: int, vocab_size: int, seed: int = 0
   }
 
 
+def classification_batch(batch_size: int, length: int, vocab_size: int, num_classes: int, seed: int = 0
+                         ) -> dict[str, np.ndarray]:
+  """`synthetic_batch` as a fine-tune's rows: one example a row, its token types (all the first
+  text's, [b, t]) and a random label ([b, 1] int32)."""
+  host = synthetic_batch(batch_size, length, vocab_size, seed=seed)
+  host["token_types"] = np.zeros_like(host["tokens"])
+  host["labels"] = np.random.default_rng(seed).integers(0, num_classes, (batch_size, 1), dtype=np.int32)
+  return host
+
+
 @contextlib.contextmanager
 def compile_timer() -> Iterator[dict[str, float]]:
   """Adds up the JAX compile events (trace, lower, XLA compile) seen inside the block."""
@@ -180,7 +190,12 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
     raise UserError(f"need --steps >= 1 and --warmup >= 0 (got {steps}, {warmup})")
   exp = build_finetune_experiment(config, finetune) if finetune else build_experiment(config)
   config = exp.config
-  seq_len = (config.finetune.max_length or config.data.seq_len) if finetune else config.data.seq_len
+  if finetune:
+    from tfx.finetune import example_length  # noqa: PLC0415  (the task pipeline: only when asked for)
+
+    seq_len = example_length(config)
+  else:
+    seq_len = config.data.seq_len
   batch_size = config.train.batch_size
   model_cfg = exp.model.backbone.cfg if finetune else exp.model.cfg
   row_length = exp.objective.raw_length(seq_len)
@@ -189,10 +204,9 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
   state = init_state(exp.model, exp.tx, exp.mesh, seq_len, config.train.seed, shardings, objective, batch_size)
   train_step = make_train_step(exp, shardings)
   local_rows = batch_size // jax.process_count()
-  host = synthetic_batch(local_rows, row_length, model_cfg.vocab_size, seed=config.train.seed + jax.process_index())
-  if finetune:  # one example a row: its token types (all the first text's) and a label
-    host["token_types"] = np.zeros_like(host["tokens"])
-    host["labels"] = np.random.default_rng(config.train.seed).integers(0, finetune, (local_rows, 1), dtype=np.int32)
+  seed = config.train.seed + jax.process_index()
+  host = (classification_batch(local_rows, row_length, model_cfg.vocab_size, finetune, seed=seed) if finetune
+          else synthetic_batch(local_rows, row_length, model_cfg.vocab_size, seed=seed))
   batch = parallel.global_batch(host, exp.mesh)
 
   with compile_timer() as compiled, ops.recorded_choices() as chosen, parallel.context(exp.mesh), \

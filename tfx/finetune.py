@@ -106,6 +106,11 @@ def apply_run_settings(cfg: ml_collections.ConfigDict, num_devices: int | None =
   config_lib.validate(cfg, num_devices=num_devices, process_count=jax.process_count())
 
 
+def example_length(cfg: ml_collections.ConfigDict) -> int:
+  """Tokens a fine-tuning row holds: `finetune.max_length`, 0 = the pretraining data.seq_len."""
+  return cfg.finetune.max_length or cfg.data.seq_len
+
+
 def resolve_config(config: ml_collections.ConfigDict | None, from_workdir: str | None, task: str, workdir: str,
                    overrides: Sequence[str] = ()):
   """(the fine-tune run's config, tokenizer): see step 1 of the module docstring."""
@@ -205,7 +210,7 @@ def build(config, from_workdir: str | None, task_spec: str, workdir: str, overri
   task = load_task(task_spec, ft)
   if ft.select_metric == "mcc" and task.num_classes != 2:
     raise UserError(f"finetune.select_metric='mcc' needs a binary task; {task.name} has {task.num_classes} classes")
-  length = ft.max_length or cfg.data.seq_len
+  length = example_length(cfg)
   backbone = build_model(cfg.model, vocab_size=tokenizer.vocab_size, max_length=cfg.data.seq_len)
   model = build_classifier(backbone, task.num_classes, pooling=ft.pooling, dropout=ft.dropout)
   rows = {s: encode_split(task.splits[s], tokenizer, cfg.model.family, length) for s in SPLITS}
@@ -523,7 +528,7 @@ def load_finetuned(workdir: str, which: str = "best"):
   model = build_classifier(backbone, len(labels), pooling=cfg.finetune.pooling, dropout=cfg.finetune.dropout)
   tx, _ = train.make_optimizer(cfg)
   mesh = parallel.make_mesh(ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1}))
-  length = cfg.finetune.max_length or cfg.data.seq_len
+  length = example_length(cfg)
   abstract, shardings = train.state_shardings(model, tx, mesh, length)
   mngr = checkpoint.manager(workdir, keep=2, async_save=False)
   if mngr.latest_step() is None:

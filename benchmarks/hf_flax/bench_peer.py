@@ -246,10 +246,9 @@ def run_one(model: str, size: str, reps: int, log, *, dtype: str = "float32", co
   seq_len, batch_size = config.data.seq_len, config.train.batch_size
   _, shardings = state_shardings(exp.model, exp.tx, exp.mesh, seq_len, objective, batch_size)
   state = init_state(exp.model, exp.tx, exp.mesh, seq_len, config.train.seed, shardings, objective, batch_size)
-  host = bench.synthetic_batch(batch_size, exp.objective.raw_length(seq_len), config.data.vocab_size)
-  if model == "bert_cls":
-    host["token_types"] = np.zeros_like(host["tokens"])
-    host["labels"] = np.random.default_rng(0).integers(0, CLASSES, (batch_size, 1), dtype=np.int32)
+  length = exp.objective.raw_length(seq_len)
+  host = (bench.classification_batch(batch_size, length, config.data.vocab_size, CLASSES) if model == "bert_cls"
+          else bench.synthetic_batch(batch_size, length, config.data.vocab_size))
   batch = parallel.global_batch(host, exp.mesh)
 
   with tempfile.TemporaryDirectory() as tmp:

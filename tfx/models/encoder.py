@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from tfx import ops
-from tfx.models.base import Family, Slots
+from tfx.models.base import Family, Slots, take_rows
 from tfx.nn import DenseGeneral, Embed, QueryStream, Stack, make_norm
 from tfx.nn.layers import GATED, activation
 from tfx.registry import FAMILIES
@@ -152,10 +152,10 @@ class Encoder(Family):
       bias = self.relative_bias(positions, positions, bidirectional=True, name="relative_bias")
       if rows is None:
         x = stack(x, mask, positions, segment_ids, bias)  # [b, t, e]
-      elif bias is None:
+      elif self.rows_alone():
         x = stack(x, mask, positions, segment_ids, rows=rows)  # [b, n, e]
       else:  # a relative-position bias: the last layer runs in full (a two-stream layer takes no bias)
-        x = jnp.take_along_axis(stack(x, mask, positions, segment_ids, bias), rows[..., None], axis=1)
+        x = take_rows(stack(x, mask, positions, segment_ids, bias), rows)  # [b, n, e]
     else:
       _, x = stack(x, mask, positions, segment_ids, query=query)  # the query stream, [b, n, e]
     if cfg.norm == "pre":
@@ -212,7 +212,7 @@ class ClassifierHead(nn.Module):
       w = (segment_ids == 1).astype(jnp.float32)[..., None]  # [b, t, 1]
       pooled = jnp.sum(hidden.astype(jnp.float32) * w, axis=1) / jnp.maximum(jnp.sum(w, axis=1), 1.0)
     else:
-      pooled = jnp.take_along_axis(hidden, rows[..., None], axis=1)[:, 0]  # [b, e]
+      pooled = take_rows(hidden, rows)[:, 0]  # [b, e]
     e = hidden.shape[-1]
     pooled = jnp.tanh(DenseGeneral((e,), (e,), ("embed", "mlp"), init_std=self.init_std, name="pooler")(pooled))
     pooled = nn.Dropout(self.dropout)(pooled, deterministic=not train)
