@@ -3,6 +3,7 @@ arithmetic against a direct computation, valid PNGs, and a killed sweep that com
 is missing when run again."""
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -126,6 +127,52 @@ def test_the_runs_compilation_cache_is_the_workdirs_unless_one_is_set(monkeypatc
   assert sweep.cache_path("auto", "runs/s") == "/shared/jax"
 
 
+STORES_SWEEP = '''
+from tfx.sweep import Arm, Sweep
+
+def get_sweep(smoke):
+  common = ("data.max_documents=40", "data.vocab_size=800", "data.tokenizer_sample_bytes=100000",
+            "data.prepare_workers=1")
+  return Sweep(name="stores", config="configs/tiny.py", common=common, seeds=(0, 1),
+               arms=(Arm("causal", ("objective.name=causal_lm",)), Arm("prefix", ("objective.name=prefix_lm",)),
+                     Arm("small vocabulary", ("objective.name=causal_lm", "data.vocab_size=700"))))
+'''
+
+
+def test_runs_share_one_token_store_per_data_setting_the_same_bytes_as_their_own(tmp_path):
+  """The sweep prepares each distinct token store once (a seed or an objective does not make
+  another, a vocabulary does), byte for byte the store each seed would prepare for itself (its
+  tokenizer is trained, and SentencePiece's training does not depend on the seed); a fine-tune
+  from scratch reads that store's tokenizer instead of training its own."""
+  from tfx import finetune
+  from tfx.data.prepare import prepare
+
+  path = tmp_path / "stores.py"
+  path.write_text(STORES_SWEEP)
+  workdir = str(tmp_path / "w")
+  runs = sweep.plan(sweep.load_sweep(str(path), smoke=True), workdir, sweep.stores_path("auto", workdir))
+  assert len(runs) == 6 and all(r.stores == os.path.join(workdir, "data") for r in runs)
+  directories = sweep.prepare_stores(runs)
+  assert len(directories) == 2 and all(d.startswith(os.path.join(workdir, "data", "")) for d in directories)
+  assert sweep.prepare_stores(runs) == directories  # finished: only checked
+  for seed in (0, 1):  # what a run of each seed prepares in its own directory
+    config = sweep.run_config(dataclasses.replace(runs[seed], stores=""))
+    assert config.train.seed == seed
+    prepare(config.data, str(tmp_path / f"own_{seed}"), seed=seed, workers=1, progress=False)
+    assert _files(tmp_path / f"own_{seed}") == _files(directories[0])
+  # An interrupted sweep that planned stores off keeps preparing per run, and its commands say so.
+  assert sweep._command("s.py", workdir, False, dataclasses.replace(runs[0], stores=""))[-5:-3] == ["--stores", "off"]
+
+  scratch = dataclasses.replace(runs[0], arm=sweep.SCRATCH, scratch=True)
+  tokenizer = finetune._scratch_tokenizer(sweep.run_config(scratch), str(tmp_path / "ft"), seed=1)
+  assert tokenizer.model_proto == open(os.path.join(directories[0], "tokenizer.model"), "rb").read()
+  assert not os.path.exists(tmp_path / "ft")  # nothing trained, nothing written
+
+
+def _files(directory) -> dict[str, bytes]:
+  return {name: open(os.path.join(directory, name), "rb").read() for name in sorted(os.listdir(directory))}
+
+
 @pytest.mark.slow
 def test_a_sweep_end_to_end_and_a_killed_sweep_completes_what_is_missing(tmp_path, shared_tokenizer, monkeypatch):
   sweep_file = _write(tmp_path, shared_tokenizer, FINETUNE)
@@ -150,6 +197,10 @@ def test_a_sweep_end_to_end_and_a_killed_sweep_completes_what_is_missing(tmp_pat
   # is back as it was.
   assert os.listdir(os.path.join(workdir, sweep.CACHE_DIR))
   assert jax.config.jax_compilation_cache_dir == cache_before
+  # Both arms read one token store, WORKDIR/data/<key>, prepared by the sweep; no run has its own.
+  assert len(os.listdir(os.path.join(workdir, sweep.STORES_DIR))) == 1
+  assert not any(os.path.exists(os.path.join(workdir, arm, f"seed_{k}", "pretrain", "data"))
+                 for arm in ("causal", "prefix") for k in (0, 1))
   s = sweep.load_sweep(sweep_file, smoke=False)
   runs = sweep.plan(s, workdir)
   assert {r.key for r in runs} == {"causal/0", "causal/1", "prefix/0", "prefix/1", f"{sweep.SCRATCH}/0",

@@ -80,14 +80,20 @@ def _apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[str]) -
 
 
 def _scratch_tokenizer(cfg, workdir: str, seed: int):
-  """`--from none`: data.tokenizer, or the SentencePiece model pretraining on data.source with
-  train.seed=`seed` would train (the same function, sample and seed), saved in WORKDIR."""
+  """`--from none`: data.tokenizer, else the tokenizer of the token store pretraining would read
+  where that store exists already (a `prepared:` one, or one in data.store_root: a sweep's), else
+  the SentencePiece model pretraining on data.source with train.seed=`seed` would train (the same
+  function, sample and seed), saved in WORKDIR."""
   from tfx.data.prepare import Spec, resolve_tokenizer
-  from tfx.data.tokenizer import fit_vocab_size, load_tokenizer
+  from tfx.data.tokenizer import fit_vocab_size, load_tokenizer, saved_tokenizer, tokenizer_from_bytes
+  from tfx.data.training import store_dir
 
   try:
     if cfg.data.tokenizer:
       return fit_vocab_size(load_tokenizer(cfg.data.tokenizer), cfg.data.vocab_size)
+    shared = saved_tokenizer(store_dir(cfg, workdir))  # a prepared: store or one in data.store_root
+    if shared is not None:
+      return fit_vocab_size(tokenizer_from_bytes(shared.read_bytes(), path=str(shared)), cfg.data.vocab_size)
     tok = resolve_tokenizer(cfg.data, epath.Path(workdir), Spec.from_config(cfg.data), seed=seed)
     return fit_vocab_size(tok, cfg.data.vocab_size)
   except (ValueError, FileNotFoundError) as e:

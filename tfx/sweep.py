@@ -30,6 +30,11 @@ written after every sweep and by `--report-only`.
 The runs share JAX's persistent compilation cache (`--compilation-cache`, default WORKDIR/jax_cache,
 or $JAX_COMPILATION_CACHE_DIR where that is set): the seeds of an arm compile the same programs
 (the seed is an input, not a constant), so only the first compiles them; the results are the same.
+They share their token stores too (`--stores`, default WORKDIR/data, given to each run as
+data.store_root): runs whose data settings agree read one store, which the sweep prepares (trains
+the tokenizer, tokenizes the corpus) once, before any run starts. The store does not depend on the
+seed (SentencePiece's training is deterministic on tfx's fixed sample), so the runs read the bytes
+they would have prepared for themselves.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from tfx.errors import UserError
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository (configs/ beside tfx/)
 RUN_FILE = "run.json"
 CACHE_DIR = "jax_cache"  # WORKDIR/jax_cache: the runs' compiled programs (--compilation-cache auto)
+STORES_DIR = "data"  # WORKDIR/data: the runs' token stores (--stores auto)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +121,7 @@ class Planned:
   finetune: tuple[str, ...] | None  # fine-tuning overrides, None without a stage
   task: str = ""  # the fine-tuning task
   scratch: bool = False  # fine-tune from random init (no pretraining)
+  stores: str = ""  # data.store_root of the run ('' = its own WORKDIR/data); where, not what: not in the fingerprint
 
   @property
   def key(self) -> str:
@@ -185,8 +192,9 @@ def _per_step(config) -> tuple[int, float]:
       model_cfg, config.data.seq_len)
 
 
-def plan(sweep: Sweep, workdir: str) -> list[Planned]:
-  """Every run of the sweep, arms in order, then the scratch baseline (if any), seeds inside."""
+def plan(sweep: Sweep, workdir: str, stores: str = "") -> list[Planned]:
+  """Every run of the sweep, arms in order, then the scratch baseline (if any), seeds inside; the
+  runs prepare their token stores in `stores` (a --stores path; '' = each in its own directory)."""
   from tfx.config import load_config  # noqa: PLC0415
 
   runs = []
@@ -204,7 +212,7 @@ def plan(sweep: Sweep, workdir: str) -> list[Planned]:
       run_flags = (*flags, f"--config.train.seed={seed}", f"--config.train.steps={steps}")
       runs.append(Planned(arm.name, seed, os.path.join(workdir, _dirname(arm.name), f"seed_{seed}"), run_flags,
                           _config_path(sweep, arm), steps, tokens, flops, finetune,
-                          sweep.finetune.task if sweep.finetune else ""))
+                          sweep.finetune.task if sweep.finetune else "", stores=stores))
   if sweep.finetune and sweep.finetune.scratch:
     base = next(r for r in runs if r.arm == sweep.baseline_arm())
     for seed in sweep.seeds:
@@ -269,10 +277,43 @@ def _final_metrics(directory: str) -> dict[str, float]:
   return out
 
 
+def run_config(run: Planned):
+  """The pretraining config of `run`: its file, its overrides and where its token store is."""
+  from tfx.config import load_config  # noqa: PLC0415
+
+  stores = [f"--config.data.store_root={run.stores}"] if run.stores else []
+  return load_config(run.config_file, [*run.overrides, *stores])
+
+
+def prepare_stores(runs: list[Planned]) -> list[str]:
+  """Prepares the token store of every pretraining run that shares them (`Planned.stores`), each
+  distinct one once, here, so that runs started together never prepare the same store at the same
+  time; the store directories, in order. A finished store is only checked. (A scratch run reads the
+  tokenizer of its baseline arm's store, see tfx.finetune.)"""
+  from tfx.data.prepare import PREPARED, prepare  # noqa: PLC0415
+  from tfx.data.training import store_dir  # noqa: PLC0415
+
+  directories: list[str] = []
+  for run in runs:
+    config = run_config(run) if run.stores and not run.scratch else None
+    if config is None or config.data.source.startswith(PREPARED):
+      continue
+    directory = str(store_dir(config, run.directory))
+    if directory in directories:
+      continue
+    directories.append(directory)
+    print(f"tfx.sweep: token store {directory} ({config.data.source}, vocabulary {config.data.vocab_size})",
+          file=sys.stderr, flush=True)
+    try:
+      prepare(config.data, directory, seed=config.train.seed, workers=int(config.data.get("prepare_workers", 0)))
+    except ValueError as e:  # StoreError: a source that cannot be read, a vocabulary it cannot fill, ...
+      raise UserError(str(e)) from e
+  return directories
+
+
 def execute(run: Planned) -> dict[str, Any]:
   """Runs (or resumes) one planned run in this process and writes its run.json."""
   from tfx import train  # noqa: PLC0415
-  from tfx.config import load_config  # noqa: PLC0415
 
   started = time.time()
   pretrain = os.path.join(run.directory, "pretrain")
@@ -281,7 +322,7 @@ def execute(run: Planned) -> dict[str, Any]:
                             "flops": run.steps * run.flops_per_step, "overrides": list(run.overrides),
                             "config_file": os.path.relpath(run.config_file, ROOT), "scratch": run.scratch}
   if not run.scratch:
-    summary = train.run(load_config(run.config_file, list(run.overrides)), pretrain)
+    summary = train.run(run_config(run), pretrain)
     if summary["step"] < run.steps:  # stopped (train.stop_after or a preemption): not complete
       return {"status": "interrupted", "step": summary["step"]}
     record["pretrain"] = _final_metrics(pretrain)
@@ -291,8 +332,7 @@ def execute(run: Planned) -> dict[str, Any]:
     flags = [*run.finetune, f"finetune.seed={run.seed}"]
     target = os.path.join(run.directory, "finetune")
     if run.scratch:  # the baseline arm's architecture and data, random weights
-      result = finetune.run(load_config(run.config_file, list(run.overrides)), None, run.task, target,
-                            overrides=flags)
+      result = finetune.run(run_config(run), None, run.task, target, overrides=flags)
     else:
       result = finetune.run(None, pretrain, run.task, target, overrides=flags)
     if result.get("status") == "interrupted":
@@ -329,9 +369,17 @@ def compilation_cache(path: str) -> contextlib.AbstractContextManager:
 INTERRUPTED = 75  # exit status of a sweep (or one run of it) stopped by SIGTERM after a checkpoint (EX_TEMPFAIL)
 
 
+def stores_path(choice: str, workdir: str) -> str:
+  """The token stores' directory of a sweep's runs: 'auto' = WORKDIR/data; 'off' = each run its own
+  (''); anything else is the path (local or gs://; several sweeps may share one)."""
+  return {"auto": os.path.join(workdir, STORES_DIR), "off": ""}.get(choice, choice)
+
+
 def _command(sweep_file: str, workdir: str, smoke: bool, run: Planned, cache: str = "auto") -> list[str]:
+  """The command that runs `run` alone (its --stores is the planned one, as a path)."""
   return [sys.executable, "-m", "tfx.sweep", sweep_file, "--workdir", workdir, *(["--smoke"] if smoke else []),
-          "--only", run.key, "--no-report", *([] if cache == "auto" else ["--compilation-cache", cache])]
+          "--stores", run.stores or "off", "--only", run.key, "--no-report",
+          *([] if cache == "auto" else ["--compilation-cache", cache])]
 
 
 def _accelerators() -> tuple[str, int]:
@@ -408,14 +456,20 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--compilation-cache", default="auto", metavar="DIR|auto|off",
                       help="JAX's persistent compilation cache shared by the runs (auto: $JAX_COMPILATION_CACHE_DIR "
                            f"if set, else WORKDIR/{CACHE_DIR})")
+  parser.add_argument("--stores", default="auto", metavar="DIR|auto|off",
+                      help=f"where the runs' token stores are prepared, once per distinct data setting (auto: "
+                           f"WORKDIR/{STORES_DIR}; off: each run in its own directory)")
   parser.add_argument("--no-report", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   try:
     from tfx import sweep_report  # noqa: PLC0415
 
     sweep = load_sweep(args.sweep_file, args.smoke)
-    runs = plan(sweep, args.workdir)
+    stores = stores_path(args.stores, os.path.abspath(args.workdir))
+    runs = plan(sweep, args.workdir, stores)
     pending = [r for r in _select(runs, args.only) if status(r) != "done"]
+    if not args.report_only:
+      prepare_stores(pending)  # before any run starts (and before the commands of a scheduler's runs)
     if args.print_commands:
       for run in pending:
         print(shlex.join(_command(os.path.abspath(args.sweep_file), os.path.abspath(args.workdir), args.smoke, run,

@@ -171,7 +171,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
   Nothing is written to the workdir before the config is valid and (on resume) agrees with the
   run's config.json; then the run holds WORKDIR/tfx.lock until it returns."""
-  gcs.preflight(workdir, config.data.source, config.data.tokenizer)  # gs:// fails here, in seconds
+  d = config.data
+  gcs.preflight(workdir, d.source, d.tokenizer, d.get("store_root", ""))  # gs:// fails here, in seconds
   load_builtins()
   config_lib.validate(config, num_devices=jax.device_count(), process_count=jax.process_count())
   diffs = drift.check(config, workdir, checkpoint_steps=tuple(checkpoint.steps(workdir)))

@@ -1,10 +1,11 @@
 """The data of a training run: the token store it reads, its tokenizer, and the corpus identity.
 
 ``data.source = "prepared:DIR"`` reads a store made by ``python -m tfx.prepare``; a raw source
-(``stdlib``, ``text:GLOB``, ``hf:NAME``) is prepared first into ``WORKDIR/data/<key>`` (process 0
-prepares, the other hosts wait and then read it), so a resume never tokenizes again. The run's
-tokenizer is the store's, copied to ``WORKDIR/<tokenizer.filename>`` (``tokenizer.model`` for
-SentencePiece, ``tokenizer.hf.json`` for a Hugging Face tokenizer) for ``tfx.generate``.
+(``stdlib``, ``text:GLOB``, ``hf:NAME``) is prepared first into ``WORKDIR/data/<key>``, or
+``data.store_root/<key>`` when runs share their stores (process 0 prepares, the other hosts wait and
+then read it), so a resume never tokenizes again. The run's tokenizer is the store's, copied to
+``WORKDIR/<tokenizer.filename>`` (``tokenizer.model`` for SentencePiece, ``tokenizer.hf.json`` for a
+Hugging Face tokenizer) for ``tfx.generate``.
 """
 
 from __future__ import annotations
@@ -40,14 +41,16 @@ class TrainingData:
 
 
 def store_dir(config, workdir) -> epath.Path:
-  """Where the run's token store is: the ``prepared:`` directory, or ``WORKDIR/data/<key>``."""
+  """Where the run's token store is: the ``prepared:`` directory, or ``ROOT/<key>`` with ROOT
+  ``data.store_root`` (shared by runs: a sweep's) or ``WORKDIR/data``."""
   source = config.data.source
   if source.startswith(PREPARED):
     path = source[len(PREPARED):]
     if not path:
       raise store.StoreError("data.source='prepared:' needs a directory, e.g. 'prepared:gs://bucket/c4'")
     return epath.Path(path)
-  return epath.Path(workdir) / "data" / store_key(config.data, config.data.tokenizer)
+  root = config.data.get("store_root", "") or epath.Path(workdir) / "data"
+  return epath.Path(root) / store_key(config.data, config.data.tokenizer)
 
 
 def _barrier(name: str) -> None:
