@@ -160,8 +160,8 @@ def get_config() -> ml_collections.ConfigDict:
   # Bytes of text the tokenizer is trained on; 0 = max(2 MB, 1 kB per vocabulary entry).
   c.data.tokenizer_sample_bytes = 0
   # Where a raw source's token store is prepared: '' = WORKDIR/data/<key>; a directory shared by
-  # runs (WORKDIR/data of a tfx.sweep: its runs with the same data settings tokenize it once) =
-  # DIR/<key>. Runs must not prepare the same store at the same time (tfx.sweep prepares first).
+  # runs (WORKDIR/data of a tfx.sweep) = DIR/<key>: runs with the same data settings tokenize the
+  # corpus once (of runs that start together one prepares it under a lease, the others wait).
   c.data.store_root = ""
   # Preparing a raw source: tokenizing processes (0 = all cores) and MB of text per shard.
   c.data.prepare_workers = 0

@@ -418,3 +418,28 @@ def test_content_checksum_ignores_sharding_but_not_content(prepared, corpus_sour
   fewer = prepare(data_config(corpus_source, max_documents=59), str(tmp_path / "c"), tokenizer_path=tokenizer,
                   progress=False)
   assert fewer["content_checksum"] != manifest["content_checksum"]
+
+
+def test_a_shared_store_is_prepared_by_one_run_while_the_others_wait(tmp_path, shared_tokenizer):
+  """data.store_root: a run that finds another preparing the shared store (holding its lease)
+  waits, prepares nothing itself, and reads the finished store; a lone run prepares it."""
+  import threading
+
+  from tests.conftest import tiny_config
+  from tfx.data.training import prepare_shared, store_dir
+  from tfx.lock import WorkdirLock
+
+  config = tiny_config(f"--config.data.tokenizer={shared_tokenizer}", "--config.data.max_documents=20",
+                       f"--config.data.store_root={tmp_path / 'stores'}", "--config.data.prepare_workers=1")
+  directory = store_dir(config, tmp_path / "run")
+  assert directory.parent == tmp_path / "stores"
+  directory.mkdir(parents=True)
+  results = []
+  with WorkdirLock(directory, timeout=60):  # another run, preparing
+    waiter = threading.Thread(target=lambda: results.append(prepare_shared(config, directory, poll=0.05)))
+    waiter.start()
+    time.sleep(1.0)
+    assert waiter.is_alive() and not (directory / store.MANIFEST).exists()  # waiting, not preparing
+  waiter.join(timeout=120)
+  assert not waiter.is_alive() and results[0]["documents"] == 20
+  assert store.read_manifest(directory) == results[0] and not (directory / "tfx.lock").exists()

@@ -287,11 +287,12 @@ def run_config(run: Planned):
 
 def prepare_stores(runs: list[Planned]) -> list[str]:
   """Prepares the token store of every pretraining run that shares them (`Planned.stores`), each
-  distinct one once, here, so that runs started together never prepare the same store at the same
-  time; the store directories, in order. A finished store is only checked. (A scratch run reads the
-  tokenizer of its baseline arm's store, see tfx.finetune.)"""
-  from tfx.data.prepare import PREPARED, prepare  # noqa: PLC0415
-  from tfx.data.training import store_dir  # noqa: PLC0415
+  distinct one once, here, before the runs start (so that runs a scheduler starts together do not
+  all hold their devices while one of them prepares); the store directories, in order. A finished
+  store is only checked. (A scratch run reads the tokenizer of its baseline arm's store, see
+  tfx.finetune.)"""
+  from tfx.data.prepare import PREPARED  # noqa: PLC0415
+  from tfx.data.training import prepare_shared, store_dir  # noqa: PLC0415
 
   directories: list[str] = []
   for run in runs:
@@ -305,7 +306,7 @@ def prepare_stores(runs: list[Planned]) -> list[str]:
     print(f"tfx.sweep: token store {directory} ({config.data.source}, vocabulary {config.data.vocab_size})",
           file=sys.stderr, flush=True)
     try:
-      prepare(config.data, directory, seed=config.train.seed, workers=int(config.data.get("prepare_workers", 0)))
+      prepare_shared(config, directory, tokenizer_path=config.data.tokenizer)
     except ValueError as e:  # StoreError: a source that cannot be read, a vocabulary it cannot fill, ...
       raise UserError(str(e)) from e
   return directories

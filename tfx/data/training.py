@@ -11,6 +11,8 @@ Hugging Face tokenizer) for ``tfx.generate``.
 from __future__ import annotations
 
 import dataclasses
+import sys
+import time
 
 from etils import epath
 
@@ -62,6 +64,28 @@ def _barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
+def prepare_shared(config, directory, *, tokenizer_path: str = "", poll: float = 5.0) -> dict:
+  """``prepare`` of a store that runs share (``data.store_root``), under the store directory's
+  lease (tfx.lock, see tfx.lock.WorkdirLock): of runs that start together one prepares it, the
+  others wait for it (as long as its heartbeat lives) and then find it finished."""
+  from tfx.lock import LockError, WorkdirLock  # noqa: PLC0415
+
+  d = config.data
+  directory = epath.Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  waiting = False
+  while True:
+    try:
+      with WorkdirLock(directory, timeout=config.train.lock_timeout):
+        return prepare(d, directory, seed=config.train.seed, workers=int(d.get("prepare_workers", 0)),
+                       tokenizer_path=tokenizer_path)
+    except LockError as e:
+      if not waiting:
+        print(f"tfx: waiting for another run to prepare the token store: {e}", file=sys.stderr, flush=True)
+        waiting = True
+      time.sleep(poll)
+
+
 def training_data(config, workdir, *, process_index: int = 0) -> TrainingData:
   """Prepares (if needed) and opens the run's store and its tokenizer."""
   d = config.data
@@ -71,8 +95,11 @@ def training_data(config, workdir, *, process_index: int = 0) -> TrainingData:
   if not d.source.startswith(PREPARED):
     if process_index == 0:
       reuse = d.tokenizer or (str(own_tokenizer) if own_tokenizer else "")
-      prepare(d, directory, seed=config.train.seed, workers=int(d.get("prepare_workers", 0)),
-              tokenizer_path=reuse)
+      if d.get("store_root"):
+        prepare_shared(config, directory, tokenizer_path=reuse)
+      else:
+        prepare(d, directory, seed=config.train.seed, workers=int(d.get("prepare_workers", 0)),
+                tokenizer_path=reuse)
     _barrier("tfx-prepare")
   manifest, train, heldout = store.open_store(directory, verify=d.get("verify_store", "background"))
   store_tokenizer = directory / manifest["tokenizer"].get("file", store.TOKENIZER)
