@@ -79,6 +79,36 @@ def test_positional_scores_are_the_gather_by_distance_index_with_its_gradients(t
   assert "scatter" not in scatter and "gather" not in scatter
 
 
+@pytest.mark.parametrize("t, mlen, batched, n", [(5, 0, False, 2), (5, 3, True, 3), (1, 4, False, 1),
+                                                (9, 6, True, 4), (9, 0, False, 9)])
+def test_scores_at_rows_are_the_whole_tables_rows_with_its_gradients(t, mlen, batched, n):
+  """`row_positional_scores` at any positions (the first and last among them) reads the rows of the whole
+  sequence's `positional_scores` there, with the same gradients; its window's gradient is a gather,
+  not a scatter-add."""
+  b, d = 2, 4
+  p, s = mlen + 2 * t - 1, mlen + t
+  kq, kr, kc, kp = jax.random.split(jax.random.key(2), 4)
+  q_r = jax.random.normal(kq, (b, n, H, d))
+  k_r = jax.random.normal(kr, (b if batched else 1, p, H, d))
+  cot = jax.random.normal(kc, (b, H, n, s))
+  rng = np.random.default_rng(t + n)
+  rows = jnp.asarray(np.stack([rng.permutation(t)[:n] for _ in range(b)]))  # [b, n], distinct in a row
+  rows = rows.at[0, 0].set(t - 1) if t - 1 not in np.asarray(rows[0]) else rows
+
+  def whole(q_r, k_r):  # the slots' queries put at their positions, the full table's rows read back
+    placed = jnp.zeros((b, t, H, d)).at[jnp.arange(b)[:, None], rows].set(q_r)
+    table = X.positional_scores(placed, k_r, t)  # [b, h, t, s]
+    return jnp.take_along_axis(table, rows[:, None, :, None], axis=2)
+
+  at_rows = lambda q, k: X.row_positional_scores(q, k, rows, s)
+  np.testing.assert_allclose(at_rows(q_r, k_r), whole(q_r, k_r), rtol=1e-6, atol=1e-6)
+  grads = [jax.grad(lambda q, k: jnp.sum(f(q, k) * cot), argnums=(0, 1))(q_r, k_r) for f in (at_rows, whole)]
+  for ours, want in zip(*grads):
+    np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5)
+  window_grad = jax.jit(jax.grad(lambda q: jnp.sum(at_rows(q, k_r) * cot))).lower(q_r).as_text()
+  assert "scatter" not in window_grad
+
+
 def test_query_blocks_divide_the_queries():
   assert [X.query_block(t) for t in (1, 7, 64, 100, 128, 512, 97, 192)] == [1, 7, 64, 50, 64, 64, 97, 64]
   with pytest.raises(ValueError, match="block 3 does not divide the 8 queries"):
@@ -265,6 +295,47 @@ def test_padded_prediction_rows_change_nothing():
   np.testing.assert_allclose(logits_a, logits_b, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(la, lb, rtol=1e-6)
   jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), ga, gb)
+
+
+@pytest.mark.parametrize("mlen", [0, 3])
+def test_the_query_stream_at_its_slots_is_the_query_stream_at_every_position_read_there(mlen):
+  """A query stream of n slots (target_mapping: each attends from its own position alone, with that
+  position's mask, segment and distance terms) gives what the stream at all t positions in order
+  (no target_mapping) gives at those positions; an empty slot gives the attention output 0; and
+  the gradients of the slots' queries are the full stream's rows."""
+  cfg = _cfg()
+  b, t, n = 2, 8, 4
+  rng = np.random.default_rng(5)
+  h = jnp.asarray(rng.standard_normal((b, t, E)), jnp.float32)
+  g = jnp.asarray(rng.standard_normal((b, t, E)), jnp.float32)
+  mem = jnp.asarray(rng.standard_normal((b, mlen, E)), jnp.float32) if mlen else None
+  distances, _ = X.distance_table(t, mlen)
+  r = X.relative_encoding(distances, E)
+  seg_diff = X.segment_difference(jnp.asarray(rng.integers(0, 2, (b, t))), mlen)
+  _, query = _perm_masks(np.stack([rng.permutation(t) for _ in range(b)]), mlen)
+  rows = np.stack([rng.choice(t, n - 1, replace=False) for _ in range(b)])  # the last slot is empty
+  mapping = np.zeros((b, n, t), np.float32)
+  mapping[np.arange(b)[:, None], np.arange(n - 1)[None], rows] = 1.0
+  layer = X.TwoStreamAttention(cfg)
+  params = layer.init(jax.random.key(0), h, g, mem, r, seg_diff, query, query, None)["params"]
+
+  def stream(g, mapping):
+    return layer.apply({"params": params}, h, g, mem, r, seg_diff, query, query, mapping)[1]
+
+  full = stream(g, None)  # [b, t, e]
+  slots = jnp.concatenate([jnp.take_along_axis(g, jnp.asarray(rows)[..., None], 1), g[:, :1]], axis=1)
+  ours = stream(slots, jnp.asarray(mapping))  # [b, n, e]
+  np.testing.assert_allclose(ours[:, :n - 1], jnp.take_along_axis(full, jnp.asarray(rows)[..., None], 1),
+                             rtol=1e-5, atol=1e-5)
+  norm = nn.LayerNorm(1e-12)  # the empty slot: LayerNorm(g + out(0)), out has no bias
+  np.testing.assert_allclose(ours[:, -1], norm.apply({"params": params["attention_norm"]}, slots[:, -1]),
+                             rtol=1e-5, atol=1e-5)
+  cot = jnp.asarray(rng.standard_normal((b, t, E)), jnp.float32)
+  d_full = jax.grad(lambda g: jnp.sum(stream(g, None) * cot))(g)
+  picked = jnp.take_along_axis(cot, jnp.asarray(rows)[..., None], 1)
+  d_slots = jax.grad(lambda s: jnp.sum(stream(s, jnp.asarray(mapping))[:, :n - 1] * picked))(slots)
+  np.testing.assert_allclose(d_slots[:, :n - 1], jnp.take_along_axis(d_full, jnp.asarray(rows)[..., None], 1),
+                             rtol=1e-4, atol=1e-5)
 
 
 def test_shared_biases_when_untie_r_is_false():

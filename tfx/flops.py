@@ -127,10 +127,11 @@ def two_stream_forward_flops(cfg, length: int, predictions: int, memory: int = 0
 
   xlnet family: Transformer-XL positions add the W_r projection of the s + t - 1 distances (per
   row when `per_row_encoding`, as with bi_data's signed distances; otherwise once per batch,
-  which a per-row count leaves out) and a positional score table per stream; its query stream attends at all `length` positions
-  (scattered there and gathered back, as XLNet does). Encoder family: the query stream
-  attends from its slots only, and the MLM head transform runs on the slots (XLNet has
-  num_heads * head_dim = d_model; the encoder may not).
+  which a per-row count leaves out) and positional scores: the content stream's per position, the
+  query stream's per slot against every distance (`tfx.nn.xlnet.row_positional_scores`); each slot
+  attends from its own position alone. Encoder family: the query stream attends from its slots
+  too, and the MLM head transform runs on the slots (XLNet has num_heads * head_dim = d_model;
+  the encoder may not).
   """
   e, a, mlp, n, t = cfg.d_model, attention_dim(cfg), mlp_params(cfg), predictions, length
   s = memory + t
@@ -142,10 +143,10 @@ def two_stream_forward_flops(cfg, length: int, predictions: int, memory: int = 0
     p = s + t - 1
     keys += 2 * e * e * p if per_row_encoding else 0  # W_r R(d) of every distance
     content += 2 * t * p * e  # positional score table
-    query += 2 * t * p * e + 2 * 2 * n * t * e + 4 * t * s * e  # table, scatter and gather, attention at t
+    query += 2 * n * p * e  # the slots' positional scores
   else:
-    query += 4 * n * s * a
     head += 2 * n * e * e  # MLM head transform
+  query += 4 * n * s * a  # scores and weighted sum at the slots
   return cfg.num_layers * (keys + query) + (cfg.num_layers - 1) * content + head
 
 

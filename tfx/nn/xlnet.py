@@ -14,10 +14,15 @@ n prediction slots, p relative distances (s + t - 1 of them).
   `tfx.ops.dot_product_attention` (cuDNN on a GPU); `relative_scores` writes the three terms out,
   the reference it is tested against.
 - Two streams share every weight: the content stream h attends [mem; h] under `content_mask`;
-  the query stream g attends the same keys / values under `query_mask` and is never a key.
+  the query stream g attends the same keys / values under `query_mask` and is never a key. Its
+  prediction slots (`target_mapping`) attend from their own positions alone: the slot's mask and
+  segment rows, and its positional scores against every distance with its window cut out
+  (`row_positional_scores`). XLNet scatters the slots to all t positions and attends there;
+  the slots' rows of that are the same numbers at n / t of the work.
 - Masks are inputs (True = may attend); nothing here knows about permutations.
 """
 
+import functools
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -147,6 +152,51 @@ def positional_scores(q_r: jax.Array, k_r: jax.Array, block: int | None = None) 
   return rows[..., :s].reshape(b, h, t, s).astype(jnp.float32)  # [b, h, t, s]
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def row_windows(table: jax.Array, start: jax.Array, width: int) -> jax.Array:
+  """Each row's `width` consecutive entries from its own start: [b, h, n, p] at start [b, n] ->
+  [b, h, n, width] (every window inside its row). The gradient is a gather too (each table entry
+  reads the window place it went to, or 0): a gather's own transpose would be a scatter-add."""
+  index = start[:, None, :, None] + jnp.arange(width)  # [b, 1, n, width]
+  return jnp.take_along_axis(table, jnp.broadcast_to(index, table.shape[:3] + (width,)), axis=-1)
+
+
+def _row_windows_fwd(table, start, width):
+  return row_windows(table, start, width), (start, table.shape[-1])
+
+
+def _row_windows_bwd(width, residuals, g):
+  start, p = residuals  # g [b, h, n, width]
+  place = jnp.arange(p) - start[:, None, :, None]  # [b, 1, n, p]: where table entry c went
+  inside = (place >= 0) & (place < width)
+  index = jnp.broadcast_to(jnp.clip(place, 0, width - 1), g.shape[:3] + (p,))
+  return jnp.where(inside, jnp.take_along_axis(g, index, axis=-1), 0).astype(g.dtype), None
+
+
+row_windows.defvjp(_row_windows_fwd, _row_windows_bwd)
+
+
+def row_positional_scores(q_r: jax.Array, k_r: jax.Array, rows: jax.Array, keys: int) -> jax.Array:
+  """`positional_scores` for queries at any positions: query slot k at position rows[b, k] scores
+  every distance, then its window of `keys` distances is cut out (from t - 1 - rows[b, k], see
+  `distance_table`). For a few rows (the query stream's prediction slots, a pooled token) this is
+  n x p entries where the whole sequence's table would be t x (s + block - 1).
+
+  Args:
+    q_r: [b, n, h, d] queries plus r_r_bias; k_r: [b|1, p, h, d] as `positional_scores`.
+    rows: [b, n] int positions in [0, t); keys: s.
+
+  Returns:
+    [b, h, n, s] float32.
+  """
+  t = k_r.shape[1] - keys + 1
+  if k_r.shape[0] == 1:
+    table = jnp.einsum("bnhd,phd->bhnp", q_r, k_r[0])  # [b, h, n, p]
+  else:
+    table = jnp.einsum("bnhd,bphd->bhnp", q_r, k_r)
+  return row_windows(table, t - 1 - rows, keys).astype(jnp.float32)  # [b, h, n, s]
+
+
 def rel_shift_scores(q_r: jax.Array, k_r_shift: jax.Array, mem_length: int) -> jax.Array:
   """Transformer-XL's formulation (a test reference for `positional_scores`).
 
@@ -202,20 +252,23 @@ segment_scores.defvjp(_segment_scores_fwd, _segment_scores_bwd)
 
 
 def relative_bias(q: jax.Array, k_r: jax.Array, biases: RelBiases, seg_embed: jax.Array,
-                  seg_diff: jax.Array | None) -> jax.Array:
+                  seg_diff: jax.Array | None, rows: jax.Array | None = None, keys: int = 0) -> jax.Array:
   """The position and segment terms of the unscaled scores, which attention adds to the content
   term (q + r_w_bias) . k as a bias.
 
   Args:
-    q: [b, t, h, d]; k_r: [b|1, p, h, d] (`distance_table`'s distances).
+    q: [b, t, h, d] (or [b, n, h, d] at `rows`); k_r: [b|1, p, h, d] (`distance_table`'s distances).
     biases: r_r / r_s, [h, d] each (r_w belongs to the content term).
     seg_embed: [2, h, d] (same-segment, different-segment).
-    seg_diff: [b, t, s] bool, or None for no segment term.
+    seg_diff: [b, t|n, s] bool, or None for no segment term.
+    rows: [b, n] int, the queries' positions (`row_positional_scores`), or None: q is every position
+      in order. keys: s (needed with rows).
 
   Returns:
-    [b, h, t, s] float32.
+    [b, h, t|n, s] float32.
   """
-  bd = positional_scores(add_bias(q, biases.r_r), k_r)  # [b, h, t, s]
+  q_r = add_bias(q, biases.r_r)
+  bd = positional_scores(q_r, k_r) if rows is None else row_positional_scores(q_r, k_r, rows, keys)
   if seg_diff is None:
     return bd
   ef = segment_scores(add_bias(q, biases.r_s), seg_embed)  # [b, h, t, 2]
@@ -243,7 +296,7 @@ def relative_scores(q: jax.Array, k: jax.Array, k_r: jax.Array, biases: RelBiase
 def relative_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_r: jax.Array, biases: RelBiases,
                        seg_embed: jax.Array, seg_diff: jax.Array | None, mask: jax.Array | None, *, scale: float,
                        implementation: str = "auto", dropout_rate: float = 0.0,
-                       dropout_rng: jax.Array | None = None) -> jax.Array:
+                       dropout_rng: jax.Array | None = None, rows: jax.Array | None = None) -> jax.Array:
   """softmax(where(mask, `relative_scores` * scale, -inf)) . v, as a fused attention computes it.
 
   The content term (q + r_w_bias) . k is the attention's own q . k; the position and segment terms
@@ -259,11 +312,14 @@ def relative_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_r: jax.Array,
     mask: [b, t, s] bool (True = may attend) or None.
     scale: the scores' scale; implementation: `model.attention`.
     dropout_rate, dropout_rng: attention dropout on the probabilities ([b, h, t, s] drawn from the key).
+    rows: [b, n] int: q, seg_diff and mask are n queries at these positions ([b, n, ...] for t), or
+      None: every position in order.
 
   Returns:
-    [b, t, h, d] in q's dtype.
+    [b, t|n, h, d] in q's dtype.
   """
-  bias = (relative_bias(q, k_r, biases, seg_embed, seg_diff) * scale).astype(q.dtype)  # [b, h, t, s]
+  bias = relative_bias(q, k_r, biases, seg_embed, seg_diff, rows, k.shape[1])  # [b, h, t, s]
+  bias = (bias * scale).astype(q.dtype)
   q_w = add_bias(q, biases.r_w)
   mask4 = None if mask is None else mask[:, None]  # [b, 1, t, s]
   if dropout_rate > 0.0:
@@ -279,14 +335,18 @@ def relative_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_r: jax.Array,
   return jnp.where(keyless, mean_v, out)
 
 
-def _scatter(x: jax.Array, target_mapping: jax.Array) -> jax.Array:
-  """[b, n, h, d] prediction slots -> [b, t, h, d] positions (sum over slots mapped there)."""
-  return jnp.einsum("bnhd,bnt->bthd", x, target_mapping.astype(x.dtype))
+def slot_rows(target_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(position [b, n] int, filled [b, n] float) of each prediction slot: target_mapping's rows are
+  one-hot (the slot predicts that position) or zero (an empty slot: its output is 0, as XLNet's
+  scatter to the positions and gather back gives it)."""
+  return jnp.argmax(target_mapping, axis=-1), jnp.sum(target_mapping, axis=-1)
 
 
-def _gather(x: jax.Array, target_mapping: jax.Array) -> jax.Array:
-  """[b, t, h, d] positions -> [b, n, h, d] prediction slots."""
-  return jnp.einsum("bthd,bnt->bnhd", x, target_mapping.astype(x.dtype))
+def at_rows(x: jax.Array | None, rows: jax.Array) -> jax.Array | None:
+  """x [b, t, ...] at rows [b, n] -> [b, n, ...] (None stays None)."""
+  if x is None:
+    return None
+  return jnp.take_along_axis(x, rows.reshape(rows.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
 # ============================================================================ modules
@@ -329,7 +389,8 @@ class TwoStreamAttention(nn.Module):
       r: [b|1, p, e] encodings of `distance_table`'s distances.
       seg_diff: [b, t, s] bool or None.
       content_mask, query_mask: [b, t, s] bool (True = may attend), or None (attend all).
-      target_mapping: [b, n, t] float or None.
+      target_mapping: [b, n, t] float, rows one-hot (the position a slot predicts) or zero (an empty
+        slot, whose attention output is 0), or None: g is every position, in order.
       biases: shared relative biases, or None for this layer's own.
 
     Returns:
@@ -362,10 +423,11 @@ class TwoStreamAttention(nn.Module):
 
     dropout = cfg.attention_dropout if not self.deterministic else 0.0
 
-    def attend(q: jax.Array, mask: jax.Array | None) -> jax.Array:  # [b, t, h, d] -> [b, t, h, d]
-      return relative_attention(q, k, v, k_r, biases, seg_embed, seg_diff, mask, scale=scale,
-                                implementation=cfg.attention, dropout_rate=dropout,
-                                dropout_rng=self.make_rng("dropout") if dropout else None)
+    def attend(q: jax.Array, mask: jax.Array | None, rows: jax.Array | None = None) -> jax.Array:
+      # [b, t|n, h, d] -> [b, t|n, h, d]: every position, or n queries at `rows` [b, n]
+      return relative_attention(q, k, v, k_r, biases, seg_embed, seg_diff if rows is None else at_rows(seg_diff, rows),
+                                mask, scale=scale, implementation=cfg.attention, dropout_rate=dropout,
+                                dropout_rng=self.make_rng("dropout") if dropout else None, rows=rows)
 
     def post(x: jax.Array, vec: jax.Array) -> jax.Array:
       return norm(x + drop(out(vec)))
@@ -379,11 +441,11 @@ class TwoStreamAttention(nn.Module):
     if g is None:
       return h_out, None
     q_g = query(g)  # [b, n, h, d]
-    if target_mapping is not None:
-      q_g = _scatter(q_g, target_mapping)  # [b, t, h, d]
-    vec = attend(q_g, query_mask)
-    if target_mapping is not None:
-      vec = _gather(vec, target_mapping)  # [b, n, h, d]
+    if target_mapping is None:  # n = t, in order
+      vec = attend(q_g, query_mask)
+    else:  # each slot attends from its position alone (XLNet scatters it there, attends at all t)
+      rows, filled = slot_rows(target_mapping)  # [b, n]
+      vec = attend(q_g, at_rows(query_mask, rows), rows) * filled[:, :, None, None].astype(q_g.dtype)
     return h_out, post(g, vec)
 
 
