@@ -94,12 +94,14 @@ def test_xla_attention_calls_no_kernel():
   assert target.backend() == "cpu"
 
 
-@pytest.mark.parametrize("length, kernel", [(29, "xla"), (30, "cudnn")])
-def test_cudnn_is_refused_for_odd_lengths_that_its_backward_pass_refuses(length, kernel):
+@pytest.mark.parametrize("length, lengths, kernel", [(29, True, "xla"), (29, False, "cudnn"), (30, True, "cudnn")])
+def test_cudnn_is_refused_for_odd_lengths_that_its_backward_pass_refuses(length, lengths, kernel):
   # JAX's cuDNN wrapper accepts the forward call at an odd length with a mask and refuses only
-  # when the gradient is traced; tfx must choose XLA before that (T5 at rows of 128: 29 targets)
+  # when the gradient is traced; tfx must choose XLA before that (T5 at rows of 128: 29 targets,
+  # given as lengths), or pad a dense mask to an even length (attention.even_lengths)
   q = jnp.zeros((2, length, 4, 64), jnp.bfloat16)
-  mask = jnp.ones((2, 1, length, length), bool)
+  n = jnp.asarray([length, length - 3])
+  mask = masks.LengthMask(n, n, (length, length)) if lengths else jnp.ones((2, 1, length, length), bool)
 
   def loss(q):
     return attention.dot_product_attention(q, q, q, mask=mask).astype(jnp.float32).sum()
@@ -111,6 +113,36 @@ def test_cudnn_is_refused_for_odd_lengths_that_its_backward_pass_refuses(length,
     assert chosen[0][1] == ("cuDNN refused: its backward pass needs even lengths with a mask or bias, "
                             f"got {length} x {length}")
   assert bool(bench_lower.kernel_calls(lowered.as_text())) == (kernel == "cudnn")
+
+
+@pytest.mark.parametrize("t, s, masked", [(5, 7, True), (5, 8, True), (6, 7, False), (7, 7, True)])
+def test_attention_padded_to_even_lengths_is_the_same_function(t, s, masked):
+  """What cuDNN gets at odd lengths (`even_lengths`: one zero query row dropped afterwards, one zero
+  key no query attends) computes the same outputs and gradients (q, k, v, bias), here with the
+  reference attention as the kernel; a row with no key stays one (the guard's business)."""
+  import numpy as np
+
+  kq, kk, kv, kb, km, kc = jax.random.split(jax.random.key(3), 6)
+  q, k, v = (jax.random.normal(key, (2, n, 4, 8)) for key, n in ((kq, t), (kk, s), (kv, s)))
+  bias = jax.random.normal(kb, (2, 4, t, s))
+  mask = jax.random.bernoulli(km, 0.7, (2, 1, t, s)).at[0, 0, 1].set(False) if masked else None
+  cot = jax.random.normal(kc, (2, t, 4, 8))
+
+  def plain(q, k, v, bias):
+    return attention.reference_attention(q, k, v, mask=mask, bias=bias)
+
+  def padded(q, k, v, bias):
+    q2, k2, v2, mask2, bias2 = attention.even_lengths(q, k, v, mask, bias)
+    assert q2.shape[1] % 2 == 0 and k2.shape[1] % 2 == 0
+    return attention.reference_attention(q2, k2, v2, mask=attention.kernel_mask(mask2), bias=bias2)[:, :t]
+
+  keep = np.ones((2, t, 1, 1), bool) if mask is None else np.asarray(mask.any(-1))[:, 0, :, None, None]
+  for f in (plain, padded):  # the rows with keys (the guard zeroes the others after any kernel)
+    out, pull = jax.vjp(lambda *a, f=f: jnp.where(keep, f(*a), 0.0), q, k, v, bias)
+    if f is plain:
+      want = (out, *pull(cot))
+  for got, exp in zip((out, *pull(cot)), want):
+    np.testing.assert_allclose(got, exp, rtol=1e-5, atol=1e-5)
 
 
 def test_cudnn_gets_every_key_for_a_query_row_that_has_none(monkeypatch):
