@@ -107,7 +107,9 @@ def test_padding_after_the_last_real_token_changes_nothing(family):
     ("encoder", ()),
     ("encoder", ("--config.model.position=relative",)),  # a bias: the last layer runs in full
     ("xlnet", ()),
-], ids=["decoder", "decoder_unscanned", "decoder_rotary_one_layer", "encoder", "encoder_relative", "xlnet"])
+    ("xlnet", ("--config.model.scan_layers=False",)),
+], ids=["decoder", "decoder_unscanned", "decoder_rotary_one_layer", "encoder", "encoder_relative", "xlnet",
+        "xlnet_unscanned"])
 def test_the_pooled_row_alone_gives_the_full_stacks_logits_and_gradients(family, overrides):
   """A classifier pooling one position ('first', 'last') runs its backbone's last layer at that
   row alone; the logits and every parameter's gradient are those of the full stack's hidden

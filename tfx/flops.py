@@ -102,8 +102,8 @@ def classifier_forward_flops(cfg, length: int, num_classes: int, *, last_layer_q
   layer = lambda queries: attention_flops(cfg, queries, t) + 2 * queries * mlp_params(cfg)
   last = t if last_layer_queries is None else last_layer_queries
   total = (cfg.num_layers - 1) * layer(t) + layer(last)
-  if getattr(cfg, "family", "") == "xlnet":
-    total += cfg.num_layers * 2 * t * (2 * t - 1) * attention_dim(cfg)  # q . W_r R(d) for every distance
+  if getattr(cfg, "family", "") == "xlnet":  # q . W_r R(d) for every distance, per query
+    total += ((cfg.num_layers - 1) * t + last) * 2 * (2 * t - 1) * attention_dim(cfg)
   return total + 2 * e * e + 2 * e * num_classes
 
 

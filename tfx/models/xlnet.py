@@ -37,12 +37,14 @@ class XLNet(Family):
   """XLNet (two-stream relative attention with memory) and its tied LM head.
 
   `__call__(tokens, token_types, content_mask, query_mask, target_mapping, mems, bi_sign, *,
-  train)` -> `(logits, new_mems)`:
+  train, return_hidden, rows)` -> `(logits, new_mems)`:
     tokens [b, t] int; token_types [b, t] int or None (no segment term);
     content_mask [b, t, m + t] bool or None (attend all); query_mask [b, t, m + t] bool (needed
-    with target_mapping); target_mapping [b, n, t] float or None (no query stream);
-    mems [l, b, m, e] or None; bi_sign [b] float (+1 / -1 per row) or None.
-  logits: the query stream's [b, n, v] with target_mapping, else the content stream's [b, t, v]
+    with target_mapping); target_mapping [b, n, t] float (one-hot or zero rows) or None (no query
+    stream); mems [l, b, m, e] or None; bi_sign [b] float (+1 / -1 per row) or None;
+    rows [b, n] int or None: without a query stream, the content stream's output at these
+    positions alone (its last layer computed there only).
+  logits: the query stream's [b, n, v] with target_mapping, else the content stream's [b, t|n, v]
   (float32); with `return_hidden=True` the final hidden states [b, n|t, e] instead (for
   classification heads). new_mems: [l, b, mem_len, e], or None when mem_len == 0.
   """
@@ -53,11 +55,14 @@ class XLNet(Family):
   def sequence_hidden(self, tokens, segment_ids, positions, token_types=None, *, train: bool = False, rows=None):
     """[b, t, e] content-stream hidden states: every position attends every real token of its
     row (no permutation, no memory; positions are relative, so right padding moves nothing). At
-    `rows`: gathered from the full output."""
+    `rows` [b, n]: [b, n, e], the last layer computed there alone (`__call__`'s rows)."""
     real = segment_ids > 0  # [b, t]
     content_mask = jnp.broadcast_to(real[:, None, :], real.shape + real.shape[-1:])  # [b, t, t]
-    hidden, _ = self(tokens, token_types, content_mask, train=train, return_hidden=True)
-    return take_rows(hidden, rows)
+    hidden, _ = self(tokens, token_types, content_mask, train=train, return_hidden=True, rows=rows)
+    return hidden
+
+  def rows_alone(self) -> bool:
+    return True
 
   @classmethod
   def init_inputs(cls, batch: int, length: int) -> dict[str, jax.Array]:
@@ -73,13 +78,15 @@ class XLNet(Family):
 
   @nn.compact
   def __call__(self, tokens, token_types=None, content_mask=None, query_mask=None, target_mapping=None, mems=None,
-               bi_sign=None, *, train: bool = False, return_hidden: bool = False):
+               bi_sign=None, *, train: bool = False, return_hidden: bool = False, rows=None):
     cfg = self.cfg
     mem_len = cfg.mem_len
     clamp_len = cfg.clamp_len
     untie_r = cfg.untie_r
     if target_mapping is not None and query_mask is None:
       raise ValueError("xlnet: the query stream (target_mapping given) needs a query_mask")
+    if rows is not None and target_mapping is not None:
+      raise ValueError("xlnet: rows (the content stream at some positions) and a query stream exclude each other")
     b, t = tokens.shape
     m = 0 if mems is None else mems.shape[2]
     drop = lambda x: nn.Dropout(cfg.dropout)(x, deterministic=not train)
@@ -105,8 +112,14 @@ class XLNet(Family):
     n_layers = cfg.num_layers
     # With a query stream the loss reads g alone, so the last layer's content stream is dead work
     # (its keys and values, from the layer's input, are not): that layer runs with content=False.
+    # Content rows (a classifier's pooled token) are a query stream in the last layer: its slots
+    # start from the content stream at the rows and attend as those positions' content queries.
     # Initialisation runs every layer in full (the same parameters).
-    split = g is not None and not self.is_initializing()
+    split = (g is not None or rows is not None) and not self.is_initializing()
+    last_shared = shared
+    if rows is not None:
+      last_shared = (r, seg_diff, content_mask, content_mask,
+                     jax.nn.one_hot(rows, t, dtype=jnp.float32), biases)  # target_mapping [b, n, t]
     mems_of = lambda index: None if mems is None else mems[index]
     in_axes = (nn.broadcast if mems is None else 0,) + (nn.broadcast,) * len(shared)  # scanned: mems, shared
     if cfg.scan_layers:
@@ -124,18 +137,22 @@ class XLNet(Family):
           caches.append(cache)  # [l - 1, b, mem_len, e] or None
         last = stacked_layers(rematted(XLNetLayer, cfg, in_scan=False), n_layers - 1)(
             cfg, not train, content=False, name="layers")
-        (h, g), cache = last((h, g), mems_of(n_layers - 1), *shared)
+        (h, g), cache = last((h, g if rows is None else take_rows(h, rows)), mems_of(n_layers - 1), *last_shared)
         caches.append(None if cache is None else cache[None])
         new_mems = jnp.concatenate(caches) if mem_len > 0 else None  # [l, b, mem_len, e]
     else:
       carry, caches = (h, g), []
       for i in range(n_layers):
         content = not (split and i == n_layers - 1)
-        carry, new_mem = layer(cfg, not train, content=content, name=f"layer_{i}")(carry, mems_of(i), *shared)
+        if not content and rows is not None:
+          carry = (carry[0], take_rows(carry[0], rows))  # [b, n, e]
+        carry, new_mem = layer(cfg, not train, content=content, name=f"layer_{i}")(
+            carry, mems_of(i), *(shared if content else last_shared))
         caches.append(new_mem)
       h, g = carry
       new_mems = jnp.stack(caches) if mem_len > 0 else None  # [l, b, mem_len, e]
-    out = drop(h if g is None else g)
+    out = h if g is None else g
+    out = drop(take_rows(out, rows) if rows is not None and not split else out)  # (initialising: all of h)
     if return_hidden:
       return out, new_mems  # [b, n|t, e]
     logits = self.lm_head(embed, out, bias=True)  # [b, n|t, v]
