@@ -152,6 +152,8 @@ def test_runs_share_one_token_store_per_data_setting_the_same_bytes_as_their_own
   workdir = str(tmp_path / "w")
   runs = sweep.plan(sweep.load_sweep(str(path), smoke=True), workdir, sweep.stores_path("auto", workdir))
   assert len(runs) == 6 and all(r.stores == os.path.join(workdir, "data") for r in runs)
+  assert sweep.stores_path("off", workdir) == "" and sweep.stores_path("gs://b/s", workdir) == "gs://b/s"
+  assert sweep.stores_path("rel/stores", workdir) == os.path.abspath("rel/stores")
   directories = sweep.prepare_stores(runs)
   assert len(directories) == 2 and all(d.startswith(os.path.join(workdir, "data", "")) for d in directories)
   assert sweep.prepare_stores(runs) == directories  # finished: only checked

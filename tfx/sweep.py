@@ -372,8 +372,11 @@ INTERRUPTED = 75  # exit status of a sweep (or one run of it) stopped by SIGTERM
 
 def stores_path(choice: str, workdir: str) -> str:
   """The token stores' directory of a sweep's runs: 'auto' = WORKDIR/data; 'off' = each run its own
-  (''); anything else is the path (local or gs://; several sweeps may share one)."""
-  return {"auto": os.path.join(workdir, STORES_DIR), "off": ""}.get(choice, choice)
+  (''); anything else is the path (local, made absolute: the runs' subprocesses start elsewhere; or
+  gs://; several sweeps may share one)."""
+  if choice in ("auto", "off"):
+    return {"auto": os.path.join(workdir, STORES_DIR), "off": ""}[choice]
+  return choice if "://" in choice else os.path.abspath(choice)
 
 
 def _command(sweep_file: str, workdir: str, smoke: bool, run: Planned, cache: str = "auto") -> list[str]:
