@@ -94,14 +94,17 @@ def test_xla_attention_calls_no_kernel():
   assert target.backend() == "cpu"
 
 
-@pytest.mark.parametrize("length, lengths, kernel", [(29, True, "xla"), (29, False, "cudnn"), (30, True, "cudnn")])
-def test_cudnn_is_refused_for_odd_lengths_that_its_backward_pass_refuses(length, lengths, kernel):
+@pytest.mark.parametrize("length, kind, kernel", [(29, "segments", "xla"), (29, "lengths", "cudnn"),
+                                                  (29, "dense", "cudnn"), (30, "segments", "cudnn")])
+def test_cudnn_is_refused_for_odd_lengths_that_its_backward_pass_refuses(length, kind, kernel):
   # JAX's cuDNN wrapper accepts the forward call at an odd length with a mask and refuses only
-  # when the gradient is traced; tfx must choose XLA before that (T5 at rows of 128: 29 targets,
-  # given as lengths), or pad a dense mask to an even length (attention.even_lengths)
+  # when the gradient is traced; tfx pads a dense mask or lengths to an even length
+  # (attention.even_lengths: T5 at rows of 128 has 29 targets) and chooses XLA for a packed row
   q = jnp.zeros((2, length, 4, 64), jnp.bfloat16)
   n = jnp.asarray([length, length - 3])
-  mask = masks.LengthMask(n, n, (length, length)) if lengths else jnp.ones((2, 1, length, length), bool)
+  mask = {"lengths": lambda: masks.LengthMask(n, n, (length, length)),
+          "dense": lambda: jnp.ones((2, 1, length, length), bool),
+          "segments": lambda: masks.SegmentMask(jnp.ones((2, length), jnp.int32).at[1, -3:].set(0))}[kind]()
 
   def loss(q):
     return attention.dot_product_attention(q, q, q, mask=mask).astype(jnp.float32).sum()
@@ -115,7 +118,8 @@ def test_cudnn_is_refused_for_odd_lengths_that_its_backward_pass_refuses(length,
   assert bool(bench_lower.kernel_calls(lowered.as_text())) == (kernel == "cudnn")
 
 
-@pytest.mark.parametrize("t, s, masked", [(5, 7, True), (5, 8, True), (6, 7, False), (7, 7, True)])
+@pytest.mark.parametrize("t, s, masked", [(5, 7, True), (5, 8, True), (6, 7, False), (7, 7, True), (5, 7, "lengths"),
+                                          (7, 7, "causal lengths")])
 def test_attention_padded_to_even_lengths_is_the_same_function(t, s, masked):
   """What cuDNN gets at odd lengths (`even_lengths`: one zero query row dropped afterwards, one zero
   key no query attends) computes the same outputs and gradients (q, k, v, bias), here with the
@@ -125,18 +129,22 @@ def test_attention_padded_to_even_lengths_is_the_same_function(t, s, masked):
   kq, kk, kv, kb, km, kc = jax.random.split(jax.random.key(3), 6)
   q, k, v = (jax.random.normal(key, (2, n, 4, 8)) for key, n in ((kq, t), (kk, s), (kv, s)))
   bias = jax.random.normal(kb, (2, 4, t, s))
-  mask = jax.random.bernoulli(km, 0.7, (2, 1, t, s)).at[0, 0, 1].set(False) if masked else None
+  if isinstance(masked, str):
+    mask = masks.LengthMask(jnp.asarray([t, t - 2]), jnp.asarray([s, s - 3]), (t, s), causal=masked.startswith("c"))
+  else:
+    mask = jax.random.bernoulli(km, 0.7, (2, 1, t, s)).at[0, 0, 1].set(False) if masked else None
   cot = jax.random.normal(kc, (2, t, 4, 8))
+  dense = lambda m: m.dense() if isinstance(m, masks.LengthMask) else m
 
   def plain(q, k, v, bias):
-    return attention.reference_attention(q, k, v, mask=mask, bias=bias)
+    return attention.reference_attention(q, k, v, mask=dense(mask), bias=bias)
 
   def padded(q, k, v, bias):
     q2, k2, v2, mask2, bias2 = attention.even_lengths(q, k, v, mask, bias)
     assert q2.shape[1] % 2 == 0 and k2.shape[1] % 2 == 0
-    return attention.reference_attention(q2, k2, v2, mask=attention.kernel_mask(mask2), bias=bias2)[:, :t]
+    return attention.reference_attention(q2, k2, v2, mask=attention.kernel_mask(dense(mask2)), bias=bias2)[:, :t]
 
-  keep = np.ones((2, t, 1, 1), bool) if mask is None else np.asarray(mask.any(-1))[:, 0, :, None, None]
+  keep = np.ones((2, t, 1, 1), bool) if mask is None else np.asarray(dense(mask).any(-1))[:, 0, :, None, None]
   for f in (plain, padded):  # the rows with keys (the guard zeroes the others after any kernel)
     out, pull = jax.vjp(lambda *a, f=f: jnp.where(keep, f(*a), 0.0), q, k, v, bias)
     if f is plain:
@@ -229,8 +237,9 @@ def test_t5_with_an_odd_target_length_lowers_for_gpu():
   (result,) = bench_lower.lower_suite(ROOT, "gpu", tiny=True, batch_per_device=2, only=("t5_base",),
                                       overrides=("data.seq_len=128",))  # 128 -> 29 targets
   assert result["error"] is None, result["error"]
-  assert result["kernel_calls"] == {"cudnn backward": 1, "cudnn forward": 1}  # the encoder's self-attention
-  assert any("needs even lengths" in a for a in result["attention"])
+  # the encoder's, the decoder's and the cross attention: the 29 targets padded to 30 for cuDNN
+  assert result["kernel_calls"] == {"cudnn backward": 3, "cudnn forward": 3}, result["kernel_calls"]
+  assert not any("needs even lengths" in a for a in result["attention"])
 
 
 def test_attention_dropout_names_the_path_it_takes():
