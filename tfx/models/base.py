@@ -31,13 +31,6 @@ class Slots(NamedTuple):
   token_types: jax.Array | None = None
 
 
-def take_rows(x: jax.Array, rows: jax.Array | None) -> jax.Array:
-  """x [b, t, ...] at `rows` [b, n] int -> [b, n, ...] (x itself when rows is None)."""
-  if rows is None:
-    return x
-  return jnp.take_along_axis(x, rows.reshape(rows.shape + (1,) * (x.ndim - 2)), axis=1)
-
-
 class Family(nn.Module):
   """Base class of model families."""
 

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from tfx import ops
-from tfx.models.base import Family, Slots, take_rows
+from tfx.models.base import Family, Slots
 from tfx.nn import DenseGeneral, Embed, QueryStream, Stack, make_norm
-from tfx.nn.layers import GATED, activation
+from tfx.nn.layers import GATED, activation, take_rows
 from tfx.registry import FAMILIES
 
 

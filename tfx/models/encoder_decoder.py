@@ -16,8 +16,9 @@ import flax.linen as nn
 import jax
 
 from tfx import ops
-from tfx.models.base import Family, take_rows
+from tfx.models.base import Family
 from tfx.nn import Embed, Stack, make_norm
+from tfx.nn.layers import take_rows
 from tfx.registry import FAMILIES
 
 

@@ -25,9 +25,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tfx.models.base import Family, take_rows
+from tfx.models.base import Family
 from tfx.nn.blocks import rematted, stacked_layers, with_layers_cut
-from tfx.nn.layers import Embed, broadcast_param
+from tfx.nn.layers import Embed, broadcast_param, take_rows
 from tfx.nn.xlnet import XLNetLayer, distance_table, relative_encoding, segment_difference, shared_biases
 from tfx.registry import FAMILIES
 

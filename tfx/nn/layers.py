@@ -88,6 +88,13 @@ class ModelConfig:
     return cls(vocab_size=vocab_size, max_length=max_length, **values)
 
 
+def take_rows(x: jax.Array | None, rows: jax.Array | None) -> jax.Array | None:
+  """x [b, t, ...] at `rows` [b, n] int -> [b, n, ...] (x itself when rows is None; None stays None)."""
+  if rows is None or x is None:
+    return x
+  return jnp.take_along_axis(x, rows.reshape(rows.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   """Logical sharding constraint on an activation (no-op outside a mesh + rules context)."""
   return nn.with_logical_constraint(x, tuple(axes))

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from tfx import ops
-from tfx.nn.layers import DenseGeneral, Mlp, ModelConfig, Norm, add_bias, constrain
+from tfx.nn.layers import DenseGeneral, Mlp, ModelConfig, Norm, add_bias, constrain, take_rows
 
 
 class RelBiases(NamedTuple):
@@ -342,13 +342,6 @@ def slot_rows(target_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jnp.argmax(target_mapping, axis=-1), jnp.sum(target_mapping, axis=-1)
 
 
-def at_rows(x: jax.Array | None, rows: jax.Array) -> jax.Array | None:
-  """x [b, t, ...] at rows [b, n] -> [b, n, ...] (None stays None)."""
-  if x is None:
-    return None
-  return jnp.take_along_axis(x, rows.reshape(rows.shape + (1,) * (x.ndim - 2)), axis=1)
-
-
 # ============================================================================ modules
 
 
@@ -425,7 +418,7 @@ class TwoStreamAttention(nn.Module):
 
     def attend(q: jax.Array, mask: jax.Array | None, rows: jax.Array | None = None) -> jax.Array:
       # [b, t|n, h, d] -> [b, t|n, h, d]: every position, or n queries at `rows` [b, n]
-      return relative_attention(q, k, v, k_r, biases, seg_embed, seg_diff if rows is None else at_rows(seg_diff, rows),
+      return relative_attention(q, k, v, k_r, biases, seg_embed, take_rows(seg_diff, rows),
                                 mask, scale=scale, implementation=cfg.attention, dropout_rate=dropout,
                                 dropout_rng=self.make_rng("dropout") if dropout else None, rows=rows)
 
@@ -445,7 +438,7 @@ class TwoStreamAttention(nn.Module):
       vec = attend(q_g, query_mask)
     else:  # each slot attends from its position alone (XLNet scatters it there, attends at all t)
       rows, filled = slot_rows(target_mapping)  # [b, n]
-      vec = attend(q_g, at_rows(query_mask, rows), rows) * filled[:, :, None, None].astype(q_g.dtype)
+      vec = attend(q_g, take_rows(query_mask, rows), rows) * filled[:, :, None, None].astype(q_g.dtype)
     return h_out, post(g, vec)
 
 
