@@ -426,7 +426,7 @@ def test_a_shared_store_is_prepared_by_one_run_while_the_others_wait(tmp_path, s
   import threading
 
   from tests.conftest import tiny_config
-  from tfx.data.training import prepare_shared, store_dir
+  from tfx.data.training import prepare_store, store_dir
   from tfx.lock import WorkdirLock
 
   config = tiny_config(f"--config.data.tokenizer={shared_tokenizer}", "--config.data.max_documents=20",
@@ -436,7 +436,7 @@ def test_a_shared_store_is_prepared_by_one_run_while_the_others_wait(tmp_path, s
   directory.mkdir(parents=True)
   results = []
   with WorkdirLock(directory, timeout=60):  # another run, preparing
-    waiter = threading.Thread(target=lambda: results.append(prepare_shared(config, directory, poll=0.05)))
+    waiter = threading.Thread(target=lambda: results.append(prepare_store(config, directory, poll=0.05)))
     waiter.start()
     time.sleep(1.0)
     assert waiter.is_alive() and not (directory / store.MANIFEST).exists()  # waiting, not preparing

@@ -292,7 +292,7 @@ def prepare_stores(runs: list[Planned]) -> list[str]:
   store is only checked. (A scratch run reads the tokenizer of its baseline arm's store, see
   tfx.finetune.)"""
   from tfx.data.prepare import PREPARED  # noqa: PLC0415
-  from tfx.data.training import prepare_shared, store_dir  # noqa: PLC0415
+  from tfx.data.training import prepare_store, store_dir  # noqa: PLC0415
 
   directories: list[str] = []
   for run in runs:
@@ -306,7 +306,7 @@ def prepare_stores(runs: list[Planned]) -> list[str]:
     print(f"tfx.sweep: token store {directory} ({config.data.source}, vocabulary {config.data.vocab_size})",
           file=sys.stderr, flush=True)
     try:
-      prepare_shared(config, directory, tokenizer_path=config.data.tokenizer)
+      prepare_store(config, directory, tokenizer_path=config.data.tokenizer)
     except ValueError as e:  # StoreError: a source that cannot be read, a vocabulary it cannot fill, ...
       raise UserError(str(e)) from e
   return directories
@@ -347,14 +347,18 @@ def execute(run: Planned) -> dict[str, Any]:
   return record
 
 
+def _shared_dir(choice: str, auto: str) -> str:
+  """A directory the runs share, from a DIR|auto|off option: 'auto' = `auto`, 'off' = '', else
+  the path (local, made absolute: the runs' subprocesses start in the repository; or gs://)."""
+  if choice in ("auto", "off"):
+    return auto if choice == "auto" else ""
+  return choice if "://" in choice else os.path.abspath(choice)
+
+
 def cache_path(choice: str, workdir: str) -> str:
   """The compilation cache of a sweep's runs: 'auto' = $JAX_COMPILATION_CACHE_DIR if set, else
-  WORKDIR/jax_cache; 'off' = none (''); anything else is the path (local or gs://)."""
-  if choice == "off":
-    return ""
-  if choice == "auto":
-    return os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(workdir, CACHE_DIR)
-  return choice
+  WORKDIR/jax_cache; 'off' = none (''); anything else is the path."""
+  return _shared_dir(choice, os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(workdir, CACHE_DIR))
 
 
 def compilation_cache(path: str) -> contextlib.AbstractContextManager:
@@ -372,18 +376,15 @@ INTERRUPTED = 75  # exit status of a sweep (or one run of it) stopped by SIGTERM
 
 def stores_path(choice: str, workdir: str) -> str:
   """The token stores' directory of a sweep's runs: 'auto' = WORKDIR/data; 'off' = each run its own
-  (''); anything else is the path (local, made absolute: the runs' subprocesses start elsewhere; or
-  gs://; several sweeps may share one)."""
-  if choice in ("auto", "off"):
-    return {"auto": os.path.join(workdir, STORES_DIR), "off": ""}[choice]
-  return choice if "://" in choice else os.path.abspath(choice)
+  (''); anything else is the path (several sweeps may share one)."""
+  return _shared_dir(choice, os.path.join(workdir, STORES_DIR))
 
 
-def _command(sweep_file: str, workdir: str, smoke: bool, run: Planned, cache: str = "auto") -> list[str]:
-  """The command that runs `run` alone (its --stores is the planned one, as a path)."""
+def _command(sweep_file: str, workdir: str, smoke: bool, run: Planned, cache: str = "") -> list[str]:
+  """The command that runs `run` alone: its --stores the planned one, its compilation cache `cache`
+  (a `cache_path`, '' = none), both as paths."""
   return [sys.executable, "-m", "tfx.sweep", sweep_file, "--workdir", workdir, *(["--smoke"] if smoke else []),
-          "--stores", run.stores or "off", "--only", run.key, "--no-report",
-          *([] if cache == "auto" else ["--compilation-cache", cache])]
+          "--stores", run.stores or "off", "--compilation-cache", cache or "off", "--only", run.key, "--no-report"]
 
 
 def _accelerators() -> tuple[str, int]:
@@ -417,9 +418,9 @@ def _device_env(slot: int, parallel: int, accelerators: tuple[str, int]) -> dict
 
 
 def run_parallel(sweep_file: str, workdir: str, smoke: bool, runs: list[Planned], parallel: int,
-                 cache: str = "auto") -> list[int]:
+                 cache: str = "") -> list[int]:
   """Runs `runs` as subprocesses, `parallel` at a time, each on its own device subset and with the
-  compilation cache `cache` (a --compilation-cache value); exit codes."""
+  compilation cache `cache` (a `cache_path`, '' = none); exit codes."""
   accelerators = _accelerators()
   _device_env(0, parallel, accelerators)  # devices that cannot be split stop here, before any run
   slots = list(range(parallel))
@@ -469,22 +470,21 @@ def main(argv: list[str] | None = None) -> None:
     from tfx import sweep_report  # noqa: PLC0415
 
     sweep = load_sweep(args.sweep_file, args.smoke)
-    stores = stores_path(args.stores, os.path.abspath(args.workdir))
+    workdir = os.path.abspath(args.workdir)
+    stores, cache = stores_path(args.stores, workdir), cache_path(args.compilation_cache, workdir)
     runs = plan(sweep, args.workdir, stores)
     pending = [r for r in _select(runs, args.only) if status(r) != "done"]
     if not args.report_only:
       prepare_stores(pending)  # before any run starts (and before the commands of a scheduler's runs)
     if args.print_commands:
       for run in pending:
-        print(shlex.join(_command(os.path.abspath(args.sweep_file), os.path.abspath(args.workdir), args.smoke, run,
-                                  args.compilation_cache)))
+        print(shlex.join(_command(os.path.abspath(args.sweep_file), workdir, args.smoke, run, cache)))
       return
     if not args.report_only:
       done = len(runs) - len([r for r in runs if status(r) != "done"])
       print(f"tfx.sweep {sweep.name}: {len(runs)} runs, {done} complete, {len(pending)} to run", flush=True)
       if args.parallel > 1:
-        codes = run_parallel(os.path.abspath(args.sweep_file), os.path.abspath(args.workdir), args.smoke, pending,
-                             args.parallel, cache_path(args.compilation_cache, os.path.abspath(args.workdir)) or "off")
+        codes = run_parallel(os.path.abspath(args.sweep_file), workdir, args.smoke, pending, args.parallel, cache)
         failed = [r.key for r, c in zip(pending, codes) if c not in (0, INTERRUPTED)]
         if failed:
           raise UserError(f"runs failed: {', '.join(failed)} (see sweep.log in their directories)")
@@ -493,7 +493,7 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True)
           sys.exit(INTERRUPTED)
       else:
-        with compilation_cache(cache_path(args.compilation_cache, args.workdir)):
+        with compilation_cache(cache):
           for i, run in enumerate(pending):
             print(f"tfx.sweep: [{i + 1}/{len(pending)}] {run.key} -> {run.directory}", flush=True)
             result = execute(run)

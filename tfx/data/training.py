@@ -64,21 +64,25 @@ def _barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
-def prepare_shared(config, directory, *, tokenizer_path: str = "", poll: float = 5.0) -> dict:
-  """``prepare`` of a store that runs share (``data.store_root``), under the store directory's
-  lease (tfx.lock, see tfx.lock.WorkdirLock): of runs that start together one prepares it, the
-  others wait for it (as long as its heartbeat lives) and then find it finished."""
+def prepare_store(config, directory, *, tokenizer_path: str = "", poll: float = 5.0) -> dict:
+  """``prepare`` of the run's store in `directory`. One that runs share (``data.store_root``) is
+  prepared under the store directory's lease (tfx.lock, see tfx.lock.WorkdirLock): of runs that
+  start together one prepares it, the others wait for it (as long as its heartbeat lives) and then
+  find it finished. (A store in WORKDIR/data is under the run's own lease already.)"""
   from tfx.lock import LockError, WorkdirLock  # noqa: PLC0415
 
   d = config.data
+  run = lambda: prepare(d, directory, seed=config.train.seed, workers=int(d.get("prepare_workers", 0)),
+                        tokenizer_path=tokenizer_path)
+  if not d.get("store_root"):
+    return run()
   directory = epath.Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
   waiting = False
   while True:
     try:
       with WorkdirLock(directory, timeout=config.train.lock_timeout):
-        return prepare(d, directory, seed=config.train.seed, workers=int(d.get("prepare_workers", 0)),
-                       tokenizer_path=tokenizer_path)
+        return run()
     except LockError as e:
       if not waiting:
         print(f"tfx: waiting for another run to prepare the token store: {e}", file=sys.stderr, flush=True)
@@ -95,11 +99,7 @@ def training_data(config, workdir, *, process_index: int = 0) -> TrainingData:
   if not d.source.startswith(PREPARED):
     if process_index == 0:
       reuse = d.tokenizer or (str(own_tokenizer) if own_tokenizer else "")
-      if d.get("store_root"):
-        prepare_shared(config, directory, tokenizer_path=reuse)
-      else:
-        prepare(d, directory, seed=config.train.seed, workers=int(d.get("prepare_workers", 0)),
-                tokenizer_path=reuse)
+      prepare_store(config, directory, tokenizer_path=reuse)
     _barrier("tfx-prepare")
   manifest, train, heldout = store.open_store(directory, verify=d.get("verify_store", "background"))
   store_tokenizer = directory / manifest["tokenizer"].get("file", store.TOKENIZER)
