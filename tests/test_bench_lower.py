@@ -94,47 +94,52 @@ def test_xla_attention_calls_no_kernel():
   assert target.backend() == "cpu"
 
 
-@pytest.mark.parametrize("length, kind, kernel", [(29, "segments", "xla"), (29, "lengths", "cudnn"),
-                                                  (29, "dense", "cudnn"), (30, "segments", "cudnn")])
-def test_cudnn_is_refused_for_odd_lengths_that_its_backward_pass_refuses(length, kind, kernel):
+@pytest.mark.parametrize("length, kind", [(29, "segments"), (29, "causal segments"), (29, "lengths"), (29, "dense"),
+                                          (30, "segments")])
+def test_cudnn_takes_odd_lengths_that_its_backward_pass_refuses(length, kind):
   # JAX's cuDNN wrapper accepts the forward call at an odd length with a mask and refuses only
-  # when the gradient is traced; tfx pads a dense mask or lengths to an even length
-  # (attention.even_lengths: T5 at rows of 128 has 29 targets) and chooses XLA for a packed row
+  # when the gradient is traced; tfx pads a dense mask, lengths or segment ids to an even length
+  # (attention.even_lengths: T5 at rows of 128 has 29 targets, a packed row may be odd)
   q = jnp.zeros((2, length, 4, 64), jnp.bfloat16)
   n = jnp.asarray([length, length - 3])
   mask = {"lengths": lambda: masks.LengthMask(n, n, (length, length)),
           "dense": lambda: jnp.ones((2, 1, length, length), bool),
-          "segments": lambda: masks.SegmentMask(jnp.ones((2, length), jnp.int32).at[1, -3:].set(0))}[kind]()
+          "segments": lambda: masks.SegmentMask(jnp.ones((2, length), jnp.int32).at[1, -3:].set(0)),
+          "causal segments": lambda: masks.SegmentMask(jnp.ones((2, length), jnp.int32).at[1, -3:].set(0),
+                                                       causal=True).prebuilt()}[kind]()
 
   def loss(q):
     return attention.dot_product_attention(q, q, q, mask=mask).astype(jnp.float32).sum()
 
   with target.lowering_for("gpu"), attention.recorded_choices() as chosen:
     lowered = jax.jit(jax.grad(loss)).trace(q).lower(lowering_platforms=("cuda",))
-  assert [impl for impl, _ in chosen] == [kernel]
-  if kernel == "xla":
-    assert chosen[0][1] == ("cuDNN refused: its backward pass needs even lengths with a mask or bias, "
-                            f"got {length} x {length}")
-  assert bool(bench_lower.kernel_calls(lowered.as_text())) == (kernel == "cudnn")
+  assert [impl for impl, _ in chosen] == ["cudnn"]
+  assert bench_lower.kernel_calls(lowered.as_text()) == {"cudnn forward": 1, "cudnn backward": 1}
 
 
 @pytest.mark.parametrize("t, s, masked", [(5, 7, True), (5, 8, True), (6, 7, False), (7, 7, True), (5, 7, "lengths"),
-                                          (7, 7, "causal lengths")])
+                                          (7, 7, "causal lengths"), (7, 7, "segments"), (7, 7, "causal segments"),
+                                          (7, 7, "prebuilt segments")])
 def test_attention_padded_to_even_lengths_is_the_same_function(t, s, masked):
   """What cuDNN gets at odd lengths (`even_lengths`: one zero query row dropped afterwards, one zero
   key no query attends) computes the same outputs and gradients (q, k, v, bias), here with the
-  reference attention as the kernel; a row with no key stays one (the guard's business)."""
+  reference attention as the kernel (a packed row's mask as cuDNN gets it, `padding_attends_padding`);
+  a row with no key stays one (the guard's business)."""
   import numpy as np
 
   kq, kk, kv, kb, km, kc = jax.random.split(jax.random.key(3), 6)
   q, k, v = (jax.random.normal(key, (2, n, 4, 8)) for key, n in ((kq, t), (kk, s), (kv, s)))
   bias = jax.random.normal(kb, (2, 4, t, s))
-  if isinstance(masked, str):
+  if isinstance(masked, str) and "segments" in masked:  # two segments and padding, in the middle too
+    ids = jnp.asarray([[1, 1, 1, 2, 2, 0, 0], [1, 0, 2, 2, 2, 2, 3]])
+    mask = masks.SegmentMask(ids, causal=masked.startswith("c"))
+    mask = mask.prebuilt() if masked.startswith("p") else mask
+  elif isinstance(masked, str):
     mask = masks.LengthMask(jnp.asarray([t, t - 2]), jnp.asarray([s, s - 3]), (t, s), causal=masked.startswith("c"))
   else:
     mask = jax.random.bernoulli(km, 0.7, (2, 1, t, s)).at[0, 0, 1].set(False) if masked else None
   cot = jax.random.normal(kc, (2, t, 4, 8))
-  dense = lambda m: m.dense() if isinstance(m, masks.LengthMask) else m
+  dense = lambda m: m.dense() if isinstance(m, (masks.LengthMask, masks.SegmentMask)) else m
 
   def plain(q, k, v, bias):
     return attention.reference_attention(q, k, v, mask=dense(mask), bias=bias)
@@ -142,9 +147,14 @@ def test_attention_padded_to_even_lengths_is_the_same_function(t, s, masked):
   def padded(q, k, v, bias):
     q2, k2, v2, mask2, bias2 = attention.even_lengths(q, k, v, mask, bias)
     assert q2.shape[1] % 2 == 0 and k2.shape[1] % 2 == 0
+    if isinstance(mask2, masks.SegmentMask):  # the padding queries give zeros themselves
+      v2, kernel_mask = attention.padding_attends_padding(v2, mask2)
+      return attention.reference_attention(q2, k2, v2, mask=kernel_mask, bias=bias2)[:, :t]
     return attention.reference_attention(q2, k2, v2, mask=attention.kernel_mask(dense(mask2)), bias=bias2)[:, :t]
 
   keep = np.ones((2, t, 1, 1), bool) if mask is None else np.asarray(dense(mask).any(-1))[:, 0, :, None, None]
+  if isinstance(mask, masks.SegmentMask):  # its padding queries' zeros need no guard
+    np.testing.assert_array_equal(np.where(keep, 0.0, padded(q, k, v, bias)), 0.0)
   for f in (plain, padded):  # the rows with keys (the guard zeroes the others after any kernel)
     out, pull = jax.vjp(lambda *a, f=f: jnp.where(keep, f(*a), 0.0), q, k, v, bias)
     if f is plain:

@@ -21,14 +21,19 @@ def cases():
 def test_cases_cover_the_masks_of_every_family(cases):
   """Causal / bidirectional packed rows as segment ids, grouped-query heads, the dense masks
   (prefix LM, both XLNet streams, cross attention), T5's bias beside a packed mask and beside rows'
-  lengths, XLNet's terms as a bias per row; the query stream has rows with no key."""
+  lengths, XLNet's terms as a bias per row; the query stream has rows with no key; a packed row and
+  rows' lengths at an odd length."""
   names = [c.name for c in cases]
   assert names == ["causal_packed", "causal_padded", "bidirectional_padded", "grouped_query_causal", "prefix_lm",
                    "two_stream_content", "two_stream_query", "cross", "biased_packed", "biased_lengths",
-                   "biased_causal_lengths", "biased_two_stream", "cross_lengths"]
+                   "biased_causal_lengths", "biased_two_stream", "cross_lengths", "causal_padded_odd",
+                   "biased_causal_lengths_odd"]
   by_name = {c.name: c for c in cases}
   assert [c.name for c in cases if c.bias is not None] == ["biased_packed", "biased_lengths", "biased_causal_lengths",
-                                                           "biased_two_stream"]
+                                                           "biased_two_stream", "biased_causal_lengths_odd"]
+  odd = by_name["causal_padded_odd"]
+  assert odd.q.shape[1] == odd.k.shape[1] == odd.mask.segment_ids.shape[1] == 31 and odd.mask.causal
+  assert by_name["biased_causal_lengths_odd"].bias.shape == (1, 4, 31, 31)
   assert by_name["biased_two_stream"].bias.shape == (2, 4, 32, 32)
   lengths = by_name["biased_causal_lengths"].mask
   assert isinstance(lengths, attn.LengthMask) and lengths.causal and lengths.q_lengths.tolist() == [24, 2]

@@ -69,9 +69,11 @@ def make_cases(*, length: int = 128, heads: int = 4, head_dim: int = 64, batch: 
   rng = np.random.default_rng(seed)
   b, t, h, d = batch, length, heads, head_dim
 
-  def case(name: str, mask, kv_heads: int = h, keys: int = t, bias: str | None = None) -> Case:
+  def case(name: str, mask, kv_heads: int = h, keys: int | None = None, bias: str | None = None,
+           rows: int = t) -> Case:
     """bias: 'heads' (T5's [1, h, t, s] float32) or 'rows' (XLNet's position and segment terms,
-    [b, h, t, s] in the inputs' dtype)."""
+    [b, h, t, s] in the inputs' dtype); rows: the query length (the key length's default)."""
+    t, keys = rows, rows if keys is None else keys
     q = jnp.asarray(rng.normal(size=(b, t, h, d)), dtype)
     k, v = (jnp.asarray(rng.normal(size=(b, keys, kv_heads, d)), dtype) for _ in range(2))
     if bias is not None:
@@ -108,6 +110,10 @@ def make_cases(*, length: int = 128, heads: int = 4, head_dim: int = 64, batch: 
       # XLNet: the query stream with its position and segment terms as a bias per row
       case("biased_two_stream", same & (rank[:, None, None, :] < rank[:, None, :, None]), bias="rows"),
       case("cross_lengths", ops.rows_mask(queries, keys, lengths=True), keys=t // 2),
+      # odd lengths (a packed row of t - 1 tokens, T5's odd target counts): cuDNN gets them padded
+      case("causal_padded_odd", ops.SegmentMask(padded[:, 1:], causal=True), rows=t - 1),
+      case("biased_causal_lengths_odd", ops.rows_mask(queries[:, 1:], causal=True, lengths=True), bias="heads",
+           rows=t - 1),
   ]
 
 

@@ -339,9 +339,11 @@ def even_lengths(q, k, v, mask, bias):
   """(q, k, v, mask, bias) at even lengths: an odd t gets one more query row (zeros; its output is
   to be dropped, so it sends no gradient anywhere), an odd s one more key (zeros) that no query
   may attend. For cuDNN's backward pass, which refuses odd lengths beside a mask or bias: XLNet's
-  query stream attends from 85 prediction slots, T5's decoder from an odd number of targets. The
-  mask is a dense [b|1, h|1, t, s], a `LengthMask` (its lengths leave the new row and key out) or
-  None."""
+  query stream attends from 85 prediction slots, T5's decoder from an odd number of targets, a
+  packed row of odd length. The mask is a dense [b|1, h|1, t, s], a `LengthMask` (its lengths
+  leave the new row and key out), a `SegmentMask` (the new position is padding, segment 0: no
+  real query attends it, and a padding query's output stays 0 under `padding_attends_padding`)
+  or None."""
   t, s = q.shape[1], k.shape[1]
   pt, ps = t % 2, s % 2
   q = jnp.pad(q, ((0, 0), (0, pt), (0, 0), (0, 0)))  # [b, t + pt, h, d]
@@ -349,6 +351,10 @@ def even_lengths(q, k, v, mask, bias):
   bias = None if bias is None else jnp.pad(bias, ((0, 0), (0, 0), (0, pt), (0, ps)))
   if isinstance(mask, LengthMask):
     return q, k, v, dataclasses.replace(mask, shape=(t + pt, s + ps)), bias
+  if isinstance(mask, SegmentMask):  # self-attention: t == s
+    ids = jnp.pad(mask.segment_ids, ((0, 0), (0, pt)))  # [b, t + pt], the new position segment 0
+    array = None if mask.array is None else jnp.pad(mask.array, ((0, 0), (0, 0), (0, pt), (0, ps)))
+    return q, k, v, SegmentMask(ids, mask.causal, array), bias
   if mask is None and ps:
     mask = jnp.ones((1, 1, t, s), bool)
   mask = None if mask is None else jnp.pad(mask, ((0, 0), (0, 0), (0, pt), (0, ps)))  # the new key: False
@@ -361,15 +367,13 @@ def _cudnn_attention(q, k, v, mask, bias, scale: float, causal: bool) -> tuple[j
   `SegmentMask` as its array with the padding queries attending the zeroed padding values
   (`padding_attends_padding`); any other mask as the [b, 1|h, t, s] array with empty rows given
   every key (`kernel_mask`). JAX folds an array mask into a bias. An odd length beside a mask or a
-  bias is padded to even (`even_lengths`), beside segment ids (a packed row) refused."""
+  bias is padded to even (`even_lengths`)."""
   t, s = q.shape[1], k.shape[1]
   if (mask is not None or bias is not None) and (t % 2 or s % 2):
     # JAX's cuDNN wrapper checks this only when it builds the backward pass, after it has
-    # accepted the forward call: were it not refused here, the train step would not trace.
-    if isinstance(mask, SegmentMask):
-      return None, f"its backward pass needs even lengths with a mask or bias, got {t} x {s}"
-    dense = mask if isinstance(mask, LengthMask) else _dense(mask, t, s)
-    out, refused = _cudnn_attention(*even_lengths(q, k, v, dense, bias), scale, causal)
+    # accepted the forward call: were it not padded here, the train step would not trace.
+    kept = mask if isinstance(mask, (LengthMask, SegmentMask)) else _dense(mask, t, s)
+    out, refused = _cudnn_attention(*even_lengths(q, k, v, kept, bias), scale, causal)
     return (None if out is None else out[:, :t]), refused
   kwargs = {}
   if isinstance(mask, LengthMask):
