@@ -167,24 +167,27 @@ XLNET = ["--config.model.family=xlnet", "--config.objective.name=permutation_lm"
      "--config.model.position=relative", "--config.model.num_heads=6", "--config.model.head_dim=16"],  # 96 wide
     XLNET,
     XLNET + ["--config.model.mem_len=32", "--config.model.reuse_len=32"],
+    XLNET + ["--config.model.mem_len=32", "--config.model.reuse_len=32", "--config.objective.bi_data=true"],
     ["--config.model.family=encoder", "--config.objective.name=permutation_lm", "--config.model.type_vocab_size=3",
      "--config.objective.reuse_len=32", "--config.objective.perm_size=32"],
     ["--config.model.family=encoder", "--config.objective.name=electra"],
     ["--config.model.family=encoder", "--config.objective.name=electra", "--config.objective.gather_predictions=False"],
-], ids=["decoder_clm", "encoder_mlm", "encoder_sop", "t5_spans", "xlnet", "xlnet_memory", "encoder_plm", "electra", "electra_dense"])
+], ids=["decoder_clm", "encoder_mlm", "encoder_sop", "t5_spans", "xlnet", "xlnet_memory", "xlnet_bi_data", "encoder_plm",
+        "electra", "electra_dense"])
 def test_objective_flops_match_xla_cost_analysis(overrides):
   """Each objective's analytic forward count (train_flops_per_row / 3) against XLA's own count
   of the compiled loss: only elementwise work (norms, softmax, GELU: a few %) separates them
-  (XLNet's W_r projection, done once per batch without bi_data, is not in the per-row count: the
-  test adds it). Span corruption's decoder runs on 20
+  (XLNet's W_r projection, done once per batch without bi_data and once per half of it with bi_data
+  and no dropout, is not in the per-row count: the test adds it). Span corruption's decoder runs on 20
   positions against 64 encoder positions, and the xlnet query stream on 11 slots, so a
   per-position count would be far off."""
   seq, batch = 64, 2
   model, objective, xla = _xla_flops(config(*overrides, "--config.model.scan_layers=false"), seq, batch)
   analytic = objective.train_flops_per_row(model.cfg, seq) / 3 * batch
-  if model.cfg.family == "xlnet":  # plus W_r R(d) of the s + t - 1 distances, once per batch (no bi_data)
+  if model.cfg.family == "xlnet":  # plus W_r R(d) of the s + t - 1 distances, once per batch (bi_data: per half)
     memory = model.cfg.mem_len if objective.init_state(batch, model.cfg) is not None else 0
-    analytic += model.cfg.num_layers * 2 * model.cfg.d_model ** 2 * (memory + 2 * seq - 1)
+    encodings = 2 if objective.bi_data and memory else 1  # (evaluation reads bi_data's layout with memory)
+    analytic += encodings * model.cfg.num_layers * 2 * model.cfg.d_model ** 2 * (memory + 2 * seq - 1)
   print(f"xla / analytic = {xla / analytic:.4f}")
   # ELECTRA draws a Gumbel sample for every generator logit: elementwise work at [b, n, v] that the
   # count leaves out (5.3% here gathered, 8.2% at every position; a head counted at the wrong

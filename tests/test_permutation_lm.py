@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tfx.nn import xlnet as xlnet_nn
 from tfx.objectives.base import SpecialIds
 from tfx.objectives.permutation_lm import (
     PermutationLM, half_goals, local_permutation, permutation_masks, resolve_lengths, row_order, sample_targets,
@@ -559,13 +560,15 @@ def test_bi_data_signs_reach_the_model():
   assert objective.reversed_streams()
   batch = random_rows(jax.random.PRNGKey(36), 6, 32)
 
-  def sign_seen(train):  # traced (op by op the loss takes seconds): the sign comes back as the output
-    return jax.jit(lambda p, b: (objective.loss(model, p, b, jax.random.PRNGKey(37), train=train),
-                                 model.seen[-1])[1])(params, batch)
+  def sign_seen(train):  # traced (op by op the loss takes seconds); the sign is static
+    jax.jit(lambda p, b: objective.loss(model, p, b, jax.random.PRNGKey(37), train=train))(params, batch)
+    return model.seen[-1]
 
   seen = [sign_seen(True), sign_seen(False)]
   assert len(model.seen) == 2
-  np.testing.assert_array_equal(seen[0], [1, 1, 1, -1, -1, -1])
+  assert seen[0] == xlnet_nn.HALVES  # the first half forward, the second reversed
+  np.testing.assert_array_equal(xlnet_nn.encoding_signs(seen[0], 6, per_row=True), [1, 1, 1, -1, -1, -1])
+  np.testing.assert_array_equal(xlnet_nn.encoding_signs(seen[0], 6), [1, -1])  # one encoding per half
   assert seen[1] is None  # eval batches are forward text
 
 

@@ -53,21 +53,23 @@ def _perm_masks(z: np.ndarray, mlen: int):
 @pytest.mark.parametrize("t, mlen, batched, block", [
     (5, 0, False, None), (5, 3, True, None), (1, 4, False, None), (7, 16, True, None),  # one block
     (8, 3, False, 2), (8, 0, True, 4), (6, 5, False, 3), (6, 2, True, 1), (128, 0, False, None),
-    (128, 5, True, None)])
+    (128, 5, True, None), (8, 3, 2, 2), (128, 5, 2, None)])
 def test_positional_scores_are_the_gather_by_distance_index_with_its_gradients(t, mlen, batched, block):
   """The blocked pad-and-reshape shift reads what a gather by `distance_table`'s index reads, and
   its gradients (a pad and slices, where the gather's is a scatter-add) are the gather's, for one
-  block of queries and for several (each against its own window of distances)."""
-  b, d = 2, 4
+  block of queries and for several (each against its own window of distances); k_r shared by the
+  batch, one per row (batched) or one per half of the batch (2: bi_data's)."""
+  b, d = 4, 4
   p = mlen + 2 * t - 1
+  groups = {False: 1, True: b}.get(batched, batched)
   kq, kr, kc = jax.random.split(jax.random.key(1), 3)
   q_r = jax.random.normal(kq, (b, t, H, d))
-  k_r = jax.random.normal(kr, (b if batched else 1, p, H, d))
+  k_r = jax.random.normal(kr, (groups, p, H, d))
   cot = jax.random.normal(kc, (b, H, t, mlen + t))
   _, index = X.distance_table(t, mlen)
 
   def gathered(q_r, k_r):
-    table = jnp.einsum("bthd,bphd->bhtp", q_r, jnp.broadcast_to(k_r, (b,) + k_r.shape[1:]))  # [b, h, t, p]
+    table = jnp.einsum("bthd,bphd->bhtp", q_r, jnp.repeat(k_r, b // groups, axis=0))  # [b, h, t, p]
     return jnp.take_along_axis(table, jnp.broadcast_to(index, (b, H) + index.shape), axis=-1)
 
   blocked = lambda q, k: X.positional_scores(q, k, block)
@@ -80,16 +82,16 @@ def test_positional_scores_are_the_gather_by_distance_index_with_its_gradients(t
 
 
 @pytest.mark.parametrize("t, mlen, batched, n", [(5, 0, False, 2), (5, 3, True, 3), (1, 4, False, 1),
-                                                (9, 6, True, 4), (9, 0, False, 9)])
+                                                (9, 6, True, 4), (9, 0, False, 9), (9, 6, 2, 4)])
 def test_scores_at_rows_are_the_whole_tables_rows_with_its_gradients(t, mlen, batched, n):
   """`row_positional_scores` at any positions (the first and last among them) reads the rows of the whole
-  sequence's `positional_scores` there, with the same gradients; its window's gradient is a gather,
-  not a scatter-add."""
-  b, d = 2, 4
+  sequence's `positional_scores` there, with the same gradients (k_r shared, per row, per half); its
+  window's gradient is a gather, not a scatter-add."""
+  b, d = 4, 4
   p, s = mlen + 2 * t - 1, mlen + t
   kq, kr, kc, kp = jax.random.split(jax.random.key(2), 4)
   q_r = jax.random.normal(kq, (b, n, H, d))
-  k_r = jax.random.normal(kr, (b if batched else 1, p, H, d))
+  k_r = jax.random.normal(kr, ({False: 1, True: b}.get(batched, batched), p, H, d))
   cot = jax.random.normal(kc, (b, H, n, s))
   rng = np.random.default_rng(t + n)
   rows = jnp.asarray(np.stack([rng.permutation(t)[:n] for _ in range(b)]))  # [b, n], distinct in a row
@@ -262,6 +264,50 @@ def test_bi_sign_plus_one_is_the_default_and_minus_one_differs():
   np.testing.assert_array_equal(a, p)
   np.testing.assert_array_equal(a[0], n[0])
   assert np.abs(np.asarray(a[1] - n[1])).max() > 1e-4
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_bi_data_halves_project_two_encodings_and_compute_the_rows_signs(scan):
+  """bi_sign=HALVES (what bi_data hands the model) is bi_sign = +1 on the first half of the batch and
+  -1 on the second, computed with one encoding per half (W_r projects 2 x p distances, not b x p):
+  the same logits, memories and parameter gradients, with memory, segments and a query stream; with
+  dropout on the encodings in training the rows' own signs are used (the same draws either way)."""
+  cfg = _cfg(scan_layers=scan, untie_r=False)
+  model = XLNet(cfg)
+  params = _init(cfg)
+  b, t, mlen = 4, 6, cfg.mem_len
+  rng = np.random.default_rng(11)
+  tokens = jnp.asarray(rng.integers(0, V, (b, t)))
+  types = jnp.asarray(rng.integers(0, 2, (b, t)))
+  content, query = _perm_masks(np.stack([rng.permutation(t) for _ in range(b)]), mlen)
+  mapping = jnp.asarray(np.eye(t, dtype=np.float32)[rng.choice(t, (b, 3))])  # [b, 3, t]
+  mems = jnp.asarray(rng.standard_normal((L, b, mlen, E)), jnp.float32)
+  signs = jnp.asarray([1.0, 1.0, -1.0, -1.0])
+
+  def run(params, bi_sign, model=model, train=False):
+    out, new_mems = model.apply({"params": params}, tokens, types, content, query, mapping, mems, bi_sign, train=train,
+                                rngs={"dropout": jax.random.key(5)})
+    return jnp.sum(jnp.sin(out)), (out, new_mems)
+
+  grad = jax.grad(run, has_aux=True)
+  g_halves, (out_halves, mems_halves) = grad(params, X.HALVES)
+  g_rows, (out_rows, mems_rows) = grad(params, signs)
+  np.testing.assert_allclose(out_halves, out_rows, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(mems_halves, mems_rows, rtol=1e-5, atol=1e-5)
+  jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5), g_halves, g_rows)
+  def projected(model, bi_sign, train=False):  # the rows of W_r R(d) ([g, p, h, d], scanned [l, g, p, h, d])
+    _, captured = model.apply({"params": params}, tokens, types, content, query, mapping, mems, bi_sign, train=train,
+                              rngs={"dropout": jax.random.key(5)}, capture_intermediates=True, mutable=["intermediates"])
+    return {x.shape[-4] for x in jax.tree_util.tree_leaves(captured) if x.shape[-3:] == (mlen + 2 * t - 1, H, E // H)}
+
+  assert projected(model, X.HALVES) == {2} and projected(model, signs) == {b}
+  with pytest.raises(ValueError, match="even batch"):
+    X.encoding_signs(X.HALVES, 3)
+  dropped = XLNet(_cfg(scan_layers=scan, untie_r=False, dropout=0.2))  # dropout on the encodings: per row
+  assert projected(dropped, X.HALVES, train=True) == {b} and projected(dropped, X.HALVES) == {2}
+  _, (out_halves, _) = run(params, X.HALVES, dropped, train=True)
+  _, (out_rows, _) = run(params, signs, dropped, train=True)
+  np.testing.assert_array_equal(out_halves, out_rows)  # the same draws
 
 
 # ============================================================================ padded prediction rows

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from tfx.models.base import Family
 from tfx.nn.blocks import rematted, stacked_layers, with_layers_cut
 from tfx.nn.layers import Embed, broadcast_param, take_rows
-from tfx.nn.xlnet import XLNetLayer, distance_table, relative_encoding, segment_difference, shared_biases
+from tfx.nn.xlnet import XLNetLayer, distance_table, encoding_signs, relative_encoding, segment_difference, shared_biases
 from tfx.registry import FAMILIES
 
 
@@ -41,7 +41,9 @@ class XLNet(Family):
     tokens [b, t] int; token_types [b, t] int or None (no segment term);
     content_mask [b, t, m + t] bool or None (attend all); query_mask [b, t, m + t] bool (needed
     with target_mapping); target_mapping [b, n, t] float (one-hot or zero rows) or None (no query
-    stream); mems [l, b, m, e] or None; bi_sign [b] float (+1 / -1 per row) or None;
+    stream); mems [l, b, m, e] or None; bi_sign [b] float (+1 / -1 per row), None (all +1) or
+    `tfx.nn.xlnet.HALVES` (bi_data: the first half of the batch +1, the second -1, each half sharing
+    its encodings' projection unless dropout draws on the encodings per row: `encoding_signs`);
     rows [b, n] int or None: without a query stream, the content stream's output at these
     positions alone (its last layer computed there only).
   logits: the query stream's [b, n, v] with target_mapping, else the content stream's [b, t|n, v]
@@ -101,7 +103,8 @@ class XLNet(Family):
       g = drop(broadcast_param(mask_emb, (b, target_mapping.shape[1], cfg.d_model), cfg.compute_dtype))
 
     distances, _ = distance_table(t, m)  # [p]
-    r = drop(relative_encoding(distances, cfg.d_model, clamp_len=clamp_len, sign=bi_sign))  # [b|1, p, e]
+    signs = encoding_signs(bi_sign, b, per_row=train and cfg.dropout > 0)  # [b], [2] (halves) or None
+    r = drop(relative_encoding(distances, cfg.d_model, clamp_len=clamp_len, sign=signs))  # [b|2|1, p, e]
     seg_diff = None if token_types is None else segment_difference(token_types, m)  # [b, t, s]
     biases = None if untie_r else shared_biases(self, cfg)
     if mems is not None:

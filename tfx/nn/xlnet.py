@@ -80,16 +80,36 @@ def relative_encoding(distances: jax.Array, d_model: int, *, clamp_len: int = -1
     distances: [p] float.
     d_model: e.
     clamp_len: > 0 clips distances to [-clamp_len, clamp_len]; otherwise unused.
-    sign: optional [b] of +1 / -1 (bi_data: the backward rows use -d).
+    sign: optional [g] of +1 / -1 (bi_data: the backward rows use -d), one per group of rows: g = b
+      (each row its own), or a divisor of b (the batch's rows in g contiguous groups, `encoding_signs`).
 
   Returns:
-    [1, p, e] without `sign`, else [b, p, e] (float32).
+    [1, p, e] without `sign`, else [g, p, e] (float32).
   """
   d = distances
   if clamp_len is not None and clamp_len > 0:
     d = jnp.clip(d, -clamp_len, clamp_len)
-  d = d[None, :] if sign is None else sign.astype(jnp.float32)[:, None] * d[None, :]  # [b|1, p]
+  d = d[None, :] if sign is None else sign.astype(jnp.float32)[:, None] * d[None, :]  # [g|1, p]
   return sinusoid(d, d_model)
+
+
+HALVES = "halves"  # bi_sign for XLNet's bi_data layout: rows [0, b/2) forward, [b/2, b) reversed
+
+
+def encoding_signs(bi_sign, batch: int, *, per_row: bool = False) -> jax.Array | None:
+  """The `sign` of `relative_encoding` for the model's `bi_sign`: None (every row forward), a [b]
+  array (a sign per row), or `HALVES`, XLNet's bi_data layout, which is (+1, -1): one encoding per
+  half of the batch, shared by its rows, so that W_r projects 2 x p distances instead of b x p (and
+  the positional scores read two windows of k_r, not b), unless `per_row` (dropout on the encodings
+  draws a mask per row, XLNet's own): then [b] of +1 then -1."""
+  if not isinstance(bi_sign, str):
+    return bi_sign
+  if bi_sign != HALVES:
+    raise ValueError(f"bi_sign must be a [b] array, None or {HALVES!r}, got {bi_sign!r}")
+  if batch % 2:
+    raise ValueError(f"bi_sign={HALVES!r} reads the batch's second half reversed and needs an even batch, got {batch}")
+  signs = jnp.asarray([1.0, -1.0], jnp.float32)  # [2]
+  return jnp.repeat(signs, batch // 2) if per_row else signs
 
 
 # Queries per block of `positional_scores`, whose table is s + block - 1 distances wide. Against k_r
@@ -97,7 +117,8 @@ def relative_encoding(distances: jax.Array, d_model: int, *, clamp_len: int = -1
 # they are nb copies of the rows' k_r, so there the blocks are halves. Measured by the bytes of
 # XLNet-base's step compiled for an H100 (32 x 512, memory 384): shared, blocks of 16 / 32 / 64 / 128
 # / 512 move 208.3 / 207.0 / 207.9 / 211.5 / 257.3 GB; per row, 64 / 128 / 256 / 512: 238.7 / 220.6 /
-# 216.1 / 222.9 GB.
+# 216.1 / 222.9 GB. One k_r per half of the batch (bi_data, `HALVES`): blocks of 64 / 256 moved 156.3
+# / 158.9 GB (2026-11-29): a few k_r are small windows, as one is.
 QUERY_BLOCK = 64
 
 
@@ -124,41 +145,49 @@ def positional_scores(q_r: jax.Array, k_r: jax.Array, block: int | None = None) 
 
   Args:
     q_r: [b, t, h, d] queries plus r_r_bias.
-    k_r: [b|1, p, h, d] projected encodings W_r R(d) of `distance_table`'s distances (p = s + t - 1).
+    k_r: [g, p, h, d] projected encodings W_r R(d) of `distance_table`'s distances (p = s + t - 1),
+      shared by the rows of each of g contiguous groups (g = 1: the whole batch; g = b: a k_r per
+      row; g = 2: bi_data's halves).
     block: queries per block, a divisor of t (default: `query_block` of t, for QUERY_BLOCK; halves for
-      a k_r per row; t: one block, the whole table).
+      a k_r per row (g = b > 1); t: one block, the whole table).
 
   Returns:
     [b, h, t, s] float32: entry (i, j) scores the distance i + m - j.
   """
   b, t, h, d = q_r.shape
-  p = k_r.shape[1]
+  g, p = k_r.shape[:2]
   s = p - t + 1
   if block is None:
-    block = query_block(t, QUERY_BLOCK if k_r.shape[0] == 1 else max(QUERY_BLOCK, t // 2))
+    block = query_block(t, QUERY_BLOCK if g < b or b == 1 else max(QUERY_BLOCK, t // 2))
   if t % block:
     raise ValueError(f"positional_scores: block {block} does not divide the {t} queries")
   nb, w = t // block, s + block - 1
-  windows = jnp.stack(  # [b|1, nb, w, h, d]
+  windows = jnp.stack(  # [g, nb, w, h, d]
       [k_r[:, (nb - 1 - c) * block:(nb - 1 - c) * block + w] for c in range(nb)], axis=1)
   q_blocks = q_r.reshape(b, nb, block, h, d)  # [b, nb, block, h, d]
-  if k_r.shape[0] == 1:
+  if g == 1:
     table = jnp.einsum("bnqhd,nwhd->bhnqw", q_blocks, windows[0])  # [b, h, nb, block, w]
-  else:
+  elif g == b:
     table = jnp.einsum("bnqhd,bnwhd->bhnqw", q_blocks, windows)
-  flat = jnp.pad(table, ((0, 0),) * 4 + ((0, 1),)).reshape(b, h, nb, block * (w + 1))  # row r at r * (w + 1)
-  # flat[block - 1 + r * w + j] = table[r, block - 1 - r + j]
-  rows = flat[..., block - 1:block - 1 + block * w].reshape(b, h, nb, block, w)
-  return rows[..., :s].reshape(b, h, t, s).astype(jnp.float32)  # [b, h, t, s]
+  else:  # rows in g groups (a batch-sharded mesh splits them so), in the matmul's own order until the end
+    table = jnp.einsum("gbnqhd,gnwhd->gnhbqw", q_blocks.reshape((g, b // g) + q_blocks.shape[1:]), windows)
+  lead = table.shape[:-2]  # (b, h, nb) or (g, nb, h, b / g)
+  flat = jnp.pad(table, ((0, 0),) * (table.ndim - 1) + ((0, 1),)).reshape(lead + (block * (w + 1),))
+  # flat[block - 1 + r * w + j] = table[r, block - 1 - r + j]: row r at r * (w + 1)
+  rows = flat[..., block - 1:block - 1 + block * w].reshape(lead + (block, w))[..., :s]
+  if 1 < g < b:
+    rows = jnp.transpose(rows, (0, 3, 2, 1, 4, 5))  # [g, b / g, h, nb, block, s]
+  return rows.reshape(b, h, t, s).astype(jnp.float32)  # [b, h, t, s]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def row_windows(table: jax.Array, start: jax.Array, width: int) -> jax.Array:
-  """Each row's `width` consecutive entries from its own start: [b, h, n, p] at start [b, n] ->
-  [b, h, n, width] (every window inside its row). The gradient is a gather too (each table entry
-  reads the window place it went to, or 0): a gather's own transpose would be a scatter-add."""
-  index = start[:, None, :, None] + jnp.arange(width)  # [b, 1, n, width]
-  return jnp.take_along_axis(table, jnp.broadcast_to(index, table.shape[:3] + (width,)), axis=-1)
+  """Each row's `width` consecutive entries from its own start: [..., p] at start [...] (broadcast to
+  the table's leading axes, e.g. [b, 1, n] for a [b, h, n, p] table) -> [..., width] (every window
+  inside its row). The gradient is a gather too (each table entry reads the window place it went
+  to, or 0): a gather's own transpose would be a scatter-add."""
+  index = start[..., None] + jnp.arange(width)  # [..., width]
+  return jnp.take_along_axis(table, jnp.broadcast_to(index, table.shape[:-1] + (width,)), axis=-1)
 
 
 def _row_windows_fwd(table, start, width):
@@ -166,10 +195,10 @@ def _row_windows_fwd(table, start, width):
 
 
 def _row_windows_bwd(width, residuals, g):
-  start, p = residuals  # g [b, h, n, width]
-  place = jnp.arange(p) - start[:, None, :, None]  # [b, 1, n, p]: where table entry c went
+  start, p = residuals  # g [..., width]
+  place = jnp.arange(p) - start[..., None]  # [..., p]: where table entry c went
   inside = (place >= 0) & (place < width)
-  index = jnp.broadcast_to(jnp.clip(place, 0, width - 1), g.shape[:3] + (p,))
+  index = jnp.broadcast_to(jnp.clip(place, 0, width - 1), g.shape[:-1] + (p,))
   return jnp.where(inside, jnp.take_along_axis(g, index, axis=-1), 0).astype(g.dtype), None
 
 
@@ -183,18 +212,24 @@ def row_positional_scores(q_r: jax.Array, k_r: jax.Array, rows: jax.Array, keys:
   n x p entries where the whole sequence's table would be t x (s + block - 1).
 
   Args:
-    q_r: [b, n, h, d] queries plus r_r_bias; k_r: [b|1, p, h, d] as `positional_scores`.
+    q_r: [b, n, h, d] queries plus r_r_bias; k_r: [g, p, h, d] as `positional_scores`.
     rows: [b, n] int positions in [0, t); keys: s.
 
   Returns:
     [b, h, n, s] float32.
   """
-  t = k_r.shape[1] - keys + 1
-  if k_r.shape[0] == 1:
+  b, n, h, _ = q_r.shape
+  g, p = k_r.shape[:2]
+  start = p - keys - rows  # [b, n]: t - 1 - rows
+  if g == 1:
     table = jnp.einsum("bnhd,phd->bhnp", q_r, k_r[0])  # [b, h, n, p]
-  else:
+  elif g == b:
     table = jnp.einsum("bnhd,bphd->bhnp", q_r, k_r)
-  return row_windows(table, t - 1 - rows, keys).astype(jnp.float32)  # [b, h, n, s]
+  else:  # rows in g groups, each sharing its k_r; the matmul's own order [g, h, b / g, n, p] until the end
+    table = jnp.einsum("gbnhd,gphd->ghbnp", q_r.reshape((g, b // g) + q_r.shape[1:]), k_r)
+    scores = row_windows(table, start.reshape(g, 1, b // g, n), keys)  # [g, h, b / g, n, s]
+    return jnp.swapaxes(scores, 1, 2).reshape(b, h, n, keys).astype(jnp.float32)
+  return row_windows(table, start[:, None], keys).astype(jnp.float32)  # [b, h, n, s]
 
 
 def rel_shift_scores(q_r: jax.Array, k_r_shift: jax.Array, mem_length: int) -> jax.Array:
@@ -257,7 +292,8 @@ def relative_bias(q: jax.Array, k_r: jax.Array, biases: RelBiases, seg_embed: ja
   term (q + r_w_bias) . k as a bias.
 
   Args:
-    q: [b, t, h, d] (or [b, n, h, d] at `rows`); k_r: [b|1, p, h, d] (`distance_table`'s distances).
+    q: [b, t, h, d] (or [b, n, h, d] at `rows`); k_r: [g, p, h, d] (`distance_table`'s distances, g
+      contiguous groups of rows: `positional_scores`).
     biases: r_r / r_s, [h, d] each (r_w belongs to the content term).
     seg_embed: [2, h, d] (same-segment, different-segment).
     seg_diff: [b, t|n, s] bool, or None for no segment term.
@@ -281,7 +317,7 @@ def relative_scores(q: jax.Array, k: jax.Array, k_r: jax.Array, biases: RelBiase
   """Unscaled scores: content + position + segment terms.
 
   Args:
-    q: [b, t, h, d]; k: [b, s, h, d]; k_r: [b|1, p, h, d] (`distance_table`'s distances).
+    q: [b, t, h, d]; k: [b, s, h, d]; k_r: [g, p, h, d] (`distance_table`'s distances, `positional_scores`).
     biases: r_w / r_r / r_s, [h, d] each.
     seg_embed: [2, h, d] (same-segment, different-segment).
     seg_diff: [b, t, s] bool, or None for no segment term.
@@ -379,7 +415,8 @@ class TwoStreamAttention(nn.Module):
       h: [b, t, e] content stream.
       g: [b, n, e] query stream (n = t without target_mapping), or None.
       mem: [b, m, e] memory (keys / values only), or None.
-      r: [b|1, p, e] encodings of `distance_table`'s distances.
+      r: [g, p, e] encodings of `distance_table`'s distances, shared by g contiguous groups of rows
+        (1: the batch, b: each row its own, 2: bi_data's halves).
       seg_diff: [b, t, s] bool or None.
       content_mask, query_mask: [b, t, s] bool (True = may attend), or None (attend all).
       target_mapping: [b, n, t] float, rows one-hot (the position a slot predicts) or zero (an empty
@@ -411,7 +448,7 @@ class TwoStreamAttention(nn.Module):
     cat = h if mem is None else jnp.concatenate([mem.astype(h.dtype), h], axis=1)  # [b, s, e]
     k = proj("key")(cat)  # [b, s, h, d]
     v = proj("value")(cat)  # [b, s, h, d]
-    k_r = proj("relative")(r.astype(dt))  # [b|1, p, h, d]
+    k_r = proj("relative")(r.astype(dt))  # [g, p, h, d]
     scale = hd**-0.5
 
     dropout = cfg.attention_dropout if not self.deterministic else 0.0

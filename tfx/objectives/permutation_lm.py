@@ -64,9 +64,9 @@ Row layout (`row_layout`, the objective's raw-row hook):
   SEP/CLS ids wherever they occur.
 
 bi_data: the pipeline serves the second half of every batch as the first half's streams read
-backwards (`reversed_streams`), and the xlnet family gets bi_sign = -1 on those rows, which
-negates their relative distances (a reversed row with -1 computes what the forward row
-computes with +1). Evaluation batches are forward text.
+backwards (`reversed_streams`), and the xlnet family gets bi_sign = -1 on those rows (`HALVES`:
+each half's encodings projected once), which negates their relative distances (a reversed row with
+-1 computes what the forward row computes with +1). Evaluation batches are forward text.
 
 Families: `xlnet`, or the ordinary `encoder` through its `two_stream` method (absolute or
 rotary positions, no memory): the ablation that separates the objective from Transformer-XL.
@@ -78,10 +78,11 @@ import jax
 import jax.numpy as jnp
 
 from tfx import flops, ops
+from tfx.nn.xlnet import HALVES
 from tfx.objectives.base import Objective, Predictions, flat_positions, placeholder_ids
 from tfx.objectives.options import internal
 from tfx.objectives.plm_sampling import (  # noqa: F401  (re-exported: the sampling API lives there)
-    LAYOUTS, resolve_lengths, half_goals, span_phase, span_targets, last_targets, sample_targets, local_permutation, row_order, xlnet_perm_mask, permutation_masks, target_mapping, check_layout, xlnet_rows, bi_signs)
+    LAYOUTS, resolve_lengths, half_goals, span_phase, span_targets, last_targets, sample_targets, local_permutation, row_order, xlnet_perm_mask, permutation_masks, target_mapping, check_layout, xlnet_rows)
 from tfx.registry import OBJECTIVES
 
 
@@ -222,10 +223,12 @@ class PermutationLM(Objective):
 
   def train_flops_per_row(self, model_cfg, seq_len: int) -> float:
     """Content stream over the row (plus memory), query stream over num_predict slots; the xlnet
-    family projects its relative encodings per row only with bi_data (signed per row)."""
+    family projects its relative encodings per row only with bi_data and dropout on them (drawn per
+    row); bi_data without dropout projects one encoding per half of the batch (`HALVES`)."""
     num_predict, _, _ = self.lengths(seq_len)
     memory = model_cfg.mem_len if model_cfg.family == "xlnet" else 0
-    return 3 * flops.two_stream_forward_flops(model_cfg, seq_len, num_predict, memory, per_row_encoding=self.bi_data)
+    per_row = self.bi_data and model_cfg.dropout > 0
+    return 3 * flops.two_stream_forward_flops(model_cfg, seq_len, num_predict, memory, per_row_encoding=per_row)
 
   def check_seq_len(self, seq_len: int) -> None:
     _, reuse_len, _ = self.lengths(seq_len)
@@ -332,10 +335,10 @@ class PermutationLM(Objective):
 
   def loss(self, model, params, batch, rng, *, train, state=None):
     """`state` is the memory carried from the previous step (None: no memory, e.g. eval). With
-    bi_data, training batches hold reversed rows in their second half (`bi_signs`); so do eval
+    bi_data, training batches hold reversed rows in their second half (`HALVES`); so do eval
     batches evaluated with memory (train.eval_memory); other evaluation batches are forward text."""
     feature_rng, dropout_rng = jax.random.split(rng)
     x = self.features(batch, feature_rng)
     # eval with memory (state given) reads the training layout, reversed half included
-    bi_sign = bi_signs(x["tokens"].shape[0]) if self.bi_data and (train or state is not None) else None
+    bi_sign = HALVES if self.bi_data and (train or state is not None) else None
     return self.loss_on_features(model, params, x, dropout_rng, train=train, mems=state, bi_sign=bi_sign)

@@ -359,11 +359,6 @@ def xlnet_rows(
           "random_b": random_b[:, 0], "a_len": a_len[:, 0].astype(jnp.int32)}
 
 
-def bi_signs(batch_size: int) -> jax.Array:
-  """float32 [b]: +1 for the forward rows [0, b/2), -1 for the reversed rows (bi_data)."""
-  return jnp.where(jnp.arange(batch_size) < batch_size // 2, 1.0, -1.0).astype(jnp.float32)
-
-
 # ----------------------------------------------------------------------------- objective
 
 LAYOUTS = ("xlnet", "plain")
