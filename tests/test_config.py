@@ -90,6 +90,8 @@ XLNET = ["--config.model.family=xlnet", "--config.objective.name=permutation_lm"
     (XLNET + ["--config.objective.reuse_len=60", "--config.objective.perm_size=4"], 1, "seq_len - reuse_len >= 5"),
     (XLNET + ["--config.objective.perm_size=24"], 1, "perm_size=24 must divide both halves"),
     (XLNET + ["--config.objective.bi_data=true", "--config.train.batch_size=3"], 1, "even train.batch_size"),
+    (XLNET + ["--config.objective.bi_data=true", "--config.train.batch_size=6", "--config.train.grad_accum=2"], 1,
+     "make train.batch_size / train.grad_accum even"),
     (XLNET + ["--config.model.mem_len=16", "--config.model.reuse_len=16"], 1, "model.reuse_len=16 must equal"),
     (["--config.objective.name=masked_lm", "--config.model.family=encoder", "--config.objective.mask_rate=1.5"], 1,
      r"mask_rate must be in \[0, 1\]"),

@@ -159,9 +159,15 @@ class PermutationLM(Objective):
     if config.train.get("eval_memory", False) and not (m.family == "xlnet" and m.mem_len):
       problems.append("train.eval_memory=True needs memory: model.family=xlnet with model.mem_len > 0 "
                       f"(got {m.family}, mem_len {m.mem_len}); set train.eval_memory=False")
+    accum = config.train.get("grad_accum", 1)
     if o.bi_data and config.train.batch_size % 2:
       problems.append(f"objective.bi_data=True reads half the batch backwards and needs an even train.batch_size, "
                       f"got {config.train.batch_size}")
+    elif o.bi_data and accum > 1 and (config.train.batch_size // accum) % 2:
+      # micro-batch a takes rows a, a + accum, ...: its first half forward, its second reversed
+      problems.append(f"objective.bi_data=True with train.grad_accum={accum}: each micro-batch of "
+                      f"{config.train.batch_size // accum} rows must hold as many forward rows as reversed ones; "
+                      "make train.batch_size / train.grad_accum even")
     return problems
 
   def init_state(self, batch_size: int, model_cfg):
