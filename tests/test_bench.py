@@ -172,8 +172,8 @@ XLNET = ["--config.model.family=xlnet", "--config.objective.name=permutation_lm"
      "--config.objective.reuse_len=32", "--config.objective.perm_size=32"],
     ["--config.model.family=encoder", "--config.objective.name=electra"],
     ["--config.model.family=encoder", "--config.objective.name=electra", "--config.objective.gather_predictions=False"],
-], ids=["decoder_clm", "encoder_mlm", "encoder_sop", "t5_spans", "xlnet", "xlnet_memory", "xlnet_bi_data", "encoder_plm",
-        "electra", "electra_dense"])
+], ids=["decoder_clm", "encoder_mlm", "encoder_sop", "t5_spans", "xlnet", "xlnet_memory", "xlnet_bi_data",
+        "encoder_plm", "electra", "electra_dense"])
 def test_objective_flops_match_xla_cost_analysis(overrides):
   """Each objective's analytic forward count (train_flops_per_row / 3) against XLA's own count
   of the compiled loss: only elementwise work (norms, softmax, GELU: a few %) separates them

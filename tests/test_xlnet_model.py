@@ -297,7 +297,8 @@ def test_bi_data_halves_project_two_encodings_and_compute_the_rows_signs(scan):
   jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5), g_halves, g_rows)
   def projected(model, bi_sign, train=False):  # the rows of W_r R(d) ([g, p, h, d], scanned [l, g, p, h, d])
     _, captured = model.apply({"params": params}, tokens, types, content, query, mapping, mems, bi_sign, train=train,
-                              rngs={"dropout": jax.random.key(5)}, capture_intermediates=True, mutable=["intermediates"])
+                              rngs={"dropout": jax.random.key(5)}, capture_intermediates=True,
+                              mutable=["intermediates"])
     return {x.shape[-4] for x in jax.tree_util.tree_leaves(captured) if x.shape[-3:] == (mlen + 2 * t - 1, H, E // H)}
 
   assert projected(model, X.HALVES) == {2} and projected(model, signs) == {b}

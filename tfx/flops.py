@@ -127,8 +127,9 @@ def two_stream_forward_flops(cfg, length: int, predictions: int, memory: int = 0
 
   xlnet family: Transformer-XL positions add the W_r projection of the s + t - 1 distances (per
   row when `per_row_encoding`, as with bi_data's signed distances under dropout; otherwise once per
-  batch, or per half of it, which a per-row count leaves out) and positional scores: the content stream's per position, the
-  query stream's per slot against every distance (`tfx.nn.xlnet.row_positional_scores`); each slot
+  batch, or per half of it, which a per-row count leaves out) and positional scores: the content
+  stream's per position, the query stream's per slot against every distance
+  (`tfx.nn.xlnet.row_positional_scores`); each slot
   attends from its own position alone. Encoder family: the query stream attends from its slots
   too, and the MLM head transform runs on the slots (XLNet has num_heads * head_dim = d_model;
   the encoder may not).

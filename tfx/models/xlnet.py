@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from tfx.models.base import Family
 from tfx.nn.blocks import rematted, stacked_layers, with_layers_cut
 from tfx.nn.layers import Embed, broadcast_param, take_rows
-from tfx.nn.xlnet import XLNetLayer, distance_table, encoding_signs, relative_encoding, segment_difference, shared_biases
+from tfx.nn.xlnet import (XLNetLayer, distance_table, encoding_signs, relative_encoding, segment_difference,
+                          shared_biases)
 from tfx.registry import FAMILIES
 
 
