@@ -66,12 +66,14 @@ def test_fully_masked_rows_are_zero_not_mean_of_values():
   ops.assert_rows_attend(mask, query_valid=jnp.asarray(seg > 0))  # padding rows are exempt
 
 
-@pytest.mark.parametrize("case", ["packed_gqa", "bias_per_head", "bias_per_row_cross", "prefix_lm", "bf16"])
+@pytest.mark.parametrize("case", ["packed_gqa", "bias_per_head", "bias_per_row_cross", "bias_shared_gqa",
+                                  "bias_per_row_shared_heads", "prefix_lm", "bf16"])
 def test_xla_attention_gradients_match_autodiff_reference(case):
   """The XLA path's hand-written backward pass (`softmax_attention`) against autodiff through the
   plain reference: values and the gradients of q, k, v and the bias, on padded packed rows
   (padding queries have no allowed key), grouped-query heads, a bias broadcast over the batch
-  or given per row, cross attention (t != s), a prefix-LM mask and bf16 inputs."""
+  or given per row, one bias for every row and head (summed over both as contractions with ones:
+  `_sum_to_bias`), cross attention (t != s), a prefix-LM mask and bf16 inputs."""
   rng = np.random.default_rng(7)
   b, t, s, h, kh, d = 2, 12, 12, 4, 4, 8
   dtype, tol = jnp.float32, 2e-5
@@ -82,6 +84,10 @@ def test_xla_attention_gradients_match_autodiff_reference(case):
     bias_shape = (1, h, t, s)
   elif case == "bias_per_row_cross":
     s, bias_shape = 9, (b, h, t, 9)
+  elif case == "bias_shared_gqa":
+    kh, bias_shape = 2, (1, 1, t, s)
+  elif case == "bias_per_row_shared_heads":
+    bias_shape = (b, 1, t, s)
   elif case == "bf16":
     dtype, tol = jnp.bfloat16, 3e-2
   q = jnp.asarray(rng.normal(size=(b, t, h, d)), dtype)
