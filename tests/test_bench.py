@@ -442,6 +442,35 @@ def test_peer_bench_counts_flops_again_only_for_a_loop():
   assert peer.has_loop(looped) and not peer.has_loop(straight)
 
 
+def test_ab_step_traces_the_swapped_function_for_b_only_and_restores_it(tmp_path, capsys):
+  """benchmarks/hf_flax/ab_step.py: B's step is traced with the replacement, the module's own
+  function is back afterwards, the same function gives the same loss, and a malformed
+  or unknown swap stops before any model is built."""
+  import importlib.util
+
+  from tfx.ops import attention
+
+  spec = importlib.util.spec_from_file_location("ab_step", os.path.join(ROOT, "benchmarks", "hf_flax", "ab_step.py"))
+  ab = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(ab)
+  variant = tmp_path / "variant.py"
+  variant.write_text("from tfx.ops import attention\nCALLS = []\n"
+                     "_original = attention._grouped\n"
+                     "def grouped(x, kv_heads):\n  CALLS.append(kv_heads)\n  return _original(x, kv_heads)\n")
+  original = attention._grouped
+  swap = ab.load_swap(f"tfx.ops.attention._grouped={variant}:grouped")
+  calls = swap[2].__globals__["CALLS"]
+  ab.run("gpt2", "small", 1, swap)
+  assert attention._grouped is original and calls  # traced for B, then put back
+  out = capsys.readouterr().out
+  losses = [line.split("loss ")[1] for line in out.splitlines() if " loss " in line]
+  assert len(losses) == 2 and losses[0] == losses[1] and "B / A" in out
+  for bad, message in (("tfx.ops.attention._grouped", "expected MODULE.ATTR"),
+                       (f"tfx.ops.attention.nothing={variant}:grouped", "has no nothing")):
+    with pytest.raises(SystemExit, match=message):
+      ab.load_swap(bad)
+
+
 def test_profile_traces_steps_and_sums_kernels_by_kind(tmp_path, capsys):
   from tfx import bench_profile
 

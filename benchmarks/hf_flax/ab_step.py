@@ -1,0 +1,100 @@
+"""tfx's train step against itself with one function swapped, in one process.
+
+    python benchmarks/hf_flax/ab_step.py --models t5 --sizes medium --reps 15 \\
+        --swap tfx.ops.attention._sum_to_bias=variants.py:old_sum
+
+Between processes this 2-core machine drifts by 5-10%, more than most single changes move a
+step; here both steps (A: the code as it is, B: with MODULE.ATTR replaced by the function ATTR2 of
+FILE while the step is traced) are compiled from the same state and batch, run interleaved, and
+the median of the per-step ratios B / A is printed with its interquartile range, with each side's
+loss after the first step (the same function should give the same loss). The models and sizes are
+the peer benchmark's (bench_peer.py's tfx side, its own venv: `make bench-peer` builds it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_peer  # noqa: E402  (the peer benchmark's tfx side: models, sizes, batches)
+
+from tfx import parallel  # noqa: E402
+from tfx.steps import init_state, make_train_step, state_shardings  # noqa: E402
+
+
+def load_swap(spec: str):
+  """'pkg.module.attr=FILE.py:function' -> (module, attr, the function)."""
+  target, _, source = spec.partition("=")
+  path, _, name = source.partition(":")
+  module_name, _, attr = target.rpartition(".")
+  if not (module_name and attr and path and name):
+    raise SystemExit(f"--swap {spec!r}: expected MODULE.ATTR=FILE.py:FUNCTION")
+  module = importlib.import_module(module_name)
+  if not hasattr(module, attr):
+    raise SystemExit(f"--swap: {module_name} has no {attr}")
+  file_spec = importlib.util.spec_from_file_location("ab_variant", path)
+  variant = importlib.util.module_from_spec(file_spec)
+  file_spec.loader.exec_module(variant)
+  return module, attr, getattr(variant, name)
+
+
+def run(model: str, size: str, reps: int, swap) -> None:
+  module, attr, replacement = swap
+  exp, objective = bench_peer.tfx_experiment(model, size)
+  config = exp.config
+  seq_len, batch_size = config.data.seq_len, config.train.batch_size
+  _, shardings = state_shardings(exp.model, exp.tx, exp.mesh, seq_len, objective, batch_size)
+  host = bench_peer.bench.synthetic_batch(batch_size, exp.objective.raw_length(seq_len), config.data.vocab_size)
+  batch = parallel.global_batch(host, exp.mesh)
+  original = getattr(module, attr)
+  steps, states, times = {}, {}, {"A": [], "B": []}
+  for side in ("A", "B"):
+    setattr(module, attr, original if side == "A" else replacement)
+    try:
+      with parallel.context(exp.mesh):
+        state = init_state(exp.model, exp.tx, exp.mesh, seq_len, config.train.seed, shardings, objective, batch_size)
+        start = time.perf_counter()
+        steps[side] = make_train_step(exp, shardings).jitted.lower(state, batch, None).compile()
+        seconds = time.perf_counter() - start
+        states[side], metrics = steps[side](state, batch, None)
+    finally:
+      setattr(module, attr, original)
+    print(f"{model}/{size} {side}: compiled in {seconds:.2f} s, loss {float(metrics['loss']):.6f}", flush=True)
+  for _ in range(reps):
+    for side in ("A", "B"):
+      with parallel.context(exp.mesh):
+        start = time.perf_counter()
+        states[side], _ = jax.block_until_ready(steps[side](states[side], batch, None))
+        times[side].append(time.perf_counter() - start)
+  ratio = np.asarray(times["B"]) / np.asarray(times["A"])
+  low, high = np.percentile(ratio, [25, 75])
+  print(f"{model}/{size}: A {np.median(times['A']) * 1e3:.1f} ms, B {np.median(times['B']) * 1e3:.1f} ms, "
+        f"B / A {np.median(ratio):.3f}x (IQR {low:.3f}-{high:.3f}, {reps} steps each)", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--models", default="t5", help="comma-separated: " + ", ".join(bench_peer.MODELS))
+  parser.add_argument("--sizes", default="medium", help="comma-separated: " + ", ".join(bench_peer.SIZES))
+  parser.add_argument("--reps", type=int, default=15, help="timed steps per side (interleaved)")
+  parser.add_argument("--swap", required=True, help="MODULE.ATTR=FILE.py:FUNCTION: B's replacement of MODULE.ATTR")
+  args = parser.parse_args(argv)
+  swap = load_swap(args.swap)
+  for model in args.models.split(","):
+    if model not in bench_peer.MODELS or model == "bert_cls":
+      raise SystemExit(f"unknown model {model!r}: one of gpt2, bert, t5")
+    for size in args.sizes.split(","):
+      bench_peer.size_spec(size)  # refuses an unknown size
+      run(model, size, args.reps, swap)
+
+
+if __name__ == "__main__":
+  main()
