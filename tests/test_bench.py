@@ -442,7 +442,7 @@ def test_peer_bench_counts_flops_again_only_for_a_loop():
   assert peer.has_loop(looped) and not peer.has_loop(straight)
 
 
-def test_ab_step_traces_the_swapped_function_for_b_only_and_restores_it(tmp_path, capsys):
+def test_ab_step_traces_the_swap_for_b_and_restores_the_original(tmp_path, capsys):
   """benchmarks/hf_flax/ab_step.py: B's step is traced with the replacement, the module's own
   function is back afterwards, the same function gives the same loss, and a malformed
   or unknown swap stops before any model is built."""
