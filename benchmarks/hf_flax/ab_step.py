@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_peer  # noqa: E402  (the peer benchmark's tfx side: models, sizes, batches)
 
 from tfx import parallel  # noqa: E402
-from tfx.steps import init_state, make_train_step, state_shardings  # noqa: E402
+from tfx.steps import make_train_step  # noqa: E402
 
 
 def load_swap(spec: str):
@@ -48,19 +48,14 @@ def load_swap(spec: str):
 
 def run(model: str, size: str, reps: int, swap) -> None:
   module, attr, replacement = swap
-  exp, objective = bench_peer.tfx_experiment(model, size)
-  config = exp.config
-  seq_len, batch_size = config.data.seq_len, config.train.batch_size
-  _, shardings = state_shardings(exp.model, exp.tx, exp.mesh, seq_len, objective, batch_size)
-  host = bench_peer.bench.synthetic_batch(batch_size, exp.objective.raw_length(seq_len), config.data.vocab_size)
-  batch = parallel.global_batch(host, exp.mesh)
+  exp, _, shardings, new_state, batch = bench_peer.tfx_setup(model, size)
   original = getattr(module, attr)
   steps, states, times = {}, {}, {"A": [], "B": []}
   for side in ("A", "B"):
     setattr(module, attr, original if side == "A" else replacement)
     try:
       with parallel.context(exp.mesh):
-        state = init_state(exp.model, exp.tx, exp.mesh, seq_len, config.train.seed, shardings, objective, batch_size)
+        state = new_state()
         start = time.perf_counter()
         steps[side] = make_train_step(exp, shardings).jitted.lower(state, batch, None).compile()
         seconds = time.perf_counter() - start

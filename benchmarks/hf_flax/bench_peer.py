@@ -138,6 +138,23 @@ def tfx_experiment(model: str, size: str, *, scan: bool = True, layers: int | No
   return bench.build_finetune_experiment(config, CLASSES), None
 
 
+def tfx_setup(model: str, size: str, *, layers: int | None = None):
+  """(experiment, objective, state shardings, a function giving a fresh initial state, the batch on
+  the experiment's mesh) for tfx's side of `model` at `size` (also ab_step.py's two steps)."""
+  exp, objective = tfx_experiment(model, size, layers=layers)
+  config = exp.config
+  seq_len, batch_size = config.data.seq_len, config.train.batch_size
+  _, shardings = state_shardings(exp.model, exp.tx, exp.mesh, seq_len, objective, batch_size)
+  length = exp.objective.raw_length(seq_len)
+  host = (bench.classification_batch(batch_size, length, config.data.vocab_size, CLASSES) if model == "bert_cls"
+          else bench.synthetic_batch(batch_size, length, config.data.vocab_size))
+
+  def new_state():
+    return init_state(exp.model, exp.tx, exp.mesh, seq_len, config.train.seed, shardings, objective, batch_size)
+
+  return exp, objective, shardings, new_state, parallel.global_batch(host, exp.mesh)
+
+
 def export_classifier(exp, params, path: str, dtype: str):
   """HF's FlaxBertForSequenceClassification holding tfx's classifier weights: the backbone through
   `to_hf` (completed with a pretraining model's MLM head, which HF's class then drops), the pooler
@@ -241,15 +258,10 @@ def run_one(model: str, size: str, reps: int, log, *, dtype: str = "float32", co
             layers: int | None = None) -> dict:
   import transformers
 
-  exp, objective = tfx_experiment(model, size, layers=layers)
+  exp, objective, shardings, new_state, batch = tfx_setup(model, size, layers=layers)
   config = exp.config
   seq_len, batch_size = config.data.seq_len, config.train.batch_size
-  _, shardings = state_shardings(exp.model, exp.tx, exp.mesh, seq_len, objective, batch_size)
-  state = init_state(exp.model, exp.tx, exp.mesh, seq_len, config.train.seed, shardings, objective, batch_size)
-  length = exp.objective.raw_length(seq_len)
-  host = (bench.classification_batch(batch_size, length, config.data.vocab_size, CLASSES) if model == "bert_cls"
-          else bench.synthetic_batch(batch_size, length, config.data.vocab_size))
-  batch = parallel.global_batch(host, exp.mesh)
+  state = new_state()
 
   with tempfile.TemporaryDirectory() as tmp:
     if model == "bert_cls":
