@@ -553,6 +553,46 @@ def test_a_tpu_trace_counts_each_op_once(tmp_path):
   assert bench_profile.summarize(str(path), steps=1)["busy_ms_per_step"] == pytest.approx(0.01)
 
 
+def _host_trace(names_by_thread: dict[str, list[tuple[str, int]]]) -> str:
+  """A CPU trace's text proto: per intra-op thread line, thunk events (instruction, ns) with hlo_op."""
+  names = sorted({name for events in names_by_thread.values() for name, _ in events})
+  ids = {name: i + 1 for i, name in enumerate(names)}
+  lines = []
+  for number, (thread, events) in enumerate(names_by_thread.items()):
+    body = " ".join(f'events {{ metadata_id: {ids[n]} offset_ps: 0 duration_ps: {ns * 1000} '
+                    f'stats {{ metadata_id: 99 str_value: "{n}" }} }}' for n, ns in events)
+    lines.append(f'lines {{ id: {number + 1} name: "{thread}" {body} }}')
+  metadata = " ".join(f'event_metadata {{ key: {i} value {{ id: {i} name: "{n}" }} }}' for n, i in ids.items())
+  return (f'planes {{ id: 1 name: "/host:CPU" {" ".join(lines)} {metadata} '
+          'stat_metadata { key: 99 value { id: 99 name: "hlo_op" } } }')
+
+
+def test_a_cpu_trace_takes_kinds_from_the_hlo_and_flags_concurrent_threads(tmp_path):
+  """On a CPU the thunks are named after their instructions, so the optimized HLO tells a YNNPACK or
+  Eigen matmul from an elementwise fusion (their names do not); a trace from more than one intra-op
+  thread carries the caveat that kernel times overlap and Eigen's matmuls show their hand-off only."""
+  from jax.profiler import ProfileData
+
+  from tfx import bench_profile, bench_traffic
+
+  x = jax.ShapeDtypeStruct((256, 512), np.float32)
+  text = jax.jit(lambda a, b: jnp.tanh(a @ b.T) * 2.0).lower(x, x).compile().as_text()
+  kernels = bench_traffic.kernels(text)
+  dot = next(k.name for k in kernels if k.kind == "matmul")
+  other = next(k.name for k in kernels if k.kind == "fusion")
+  for threads, caveat in ((1, False), (2, True)):
+    events = {f"tf_XLAEigen/{i}": [(dot, 3000), (other, 1000)] for i in range(threads)}
+    path = tmp_path / f"{threads}.xplane.pb"
+    path.write_bytes(ProfileData.text_proto_to_serialized_xspace(_host_trace(events)))
+    summary = bench_profile.summarize(str(path), steps=1, hlo_text=text)
+    assert bench_profile.intra_op_threads(summary["source"]) == threads
+    assert summary["kinds"]["matmul"]["ms_per_step"] == pytest.approx(0.003 * threads)
+    assert summary["kinds"]["xla fusions"]["ms_per_step"] == pytest.approx(0.001 * threads)
+    assert ("caveat" in summary) == caveat
+    assert ("taskset" in bench_profile.format_summary(summary)) == caveat
+  assert bench_profile.intra_op_threads("device") == 0
+
+
 @pytest.mark.parametrize("kernel, kind", [  # names from a GPT-2 step's trace on an H200
     ("nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_splitK_NTN", "matmul"),
     ("gemm_fusion_dot_general_30", "matmul"),

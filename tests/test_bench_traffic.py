@@ -154,6 +154,16 @@ def test_a_compiled_cpu_step_is_read_too():
   np.testing.assert_equal(moved["total"], sum(moved[k] for k in bench_traffic.KINDS))
 
 
+def test_an_eigen_matmul_on_a_cpu_is_a_matmul():
+  # XLA:CPU leaves a dot that YNNPACK does not take (here both operands contract their rows, as a
+  # weight gradient x^T . dy does) as a bare `dot` instruction for Eigen: a matmul, not "other"
+  x = jax.ShapeDtypeStruct((256, 512), np.float32)
+  text = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())))).lower(x, x).compile().as_text()
+  kernels = bench_traffic.kernels(text)
+  assert any(" dot(" in line for line in text.splitlines())
+  assert [k.kind for k in kernels] == ["matmul"]
+
+
 def test_cli_prints_the_summary_and_the_heaviest_kernels(tmp_path, capsys):
   path = tmp_path / "module.txt"
   path.write_text(HLO)

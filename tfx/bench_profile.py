@@ -10,7 +10,12 @@ a multiple) are the layers'. Read with `jax.profiler.ProfileData`, so no TensorB
 
 On a TPU only the device plane's "XLA Ops" line is read (its other lines span the ops). On a CPU
 there is no device plane: the XLA:CPU thunks on the host's threads (events with an
-`hlo_op`) are summed instead, which is enough to test the plumbing, not to learn much.
+`hlo_op`) are summed instead, and their kinds come from the optimized HLO where it is given
+(a YNNPACK matmul is a `ynn_fusion` like YNNPACK's reductions). With more than one intra-op thread
+those times mislead in two ways, and the summary says so (`CPU_THREADS_CAVEAT`): independent
+thunks run at once, and an Eigen matmul (`dot.N`, e.g. the weight gradients x^T . dy) is traced
+for its hand-off to the threads only (T5 medium: 0.9 ms a step for four of them on two cores,
+127 ms pinned to one). For per-kernel times pin the process to one core (`taskset -c 0`).
 
 Given the compiled step's optimized HLO as well (`tfx.bench --profile` passes it), each HLO
 instruction's time (the kernels a trace attributes to it through their `hlo_op`) is joined with
@@ -33,6 +38,10 @@ CONTROL_FLOW = ("while", "conditional", "call")
 KEPT_ROWS = 200  # kernels kept by `join_bytes`, the heaviest (a GPT-2 step has about 1000)
 HLO_FILE = "step_after_optimizations.txt"  # the optimized HLO `tfx.bench --profile` writes beside its trace
 TPU_OPS_LINE = "XLA Ops"  # a TPU device plane's line of ops (beside "XLA Modules", "Steps", ...)
+CPU_POOL_LINE = "XLAEigen"  # XLA:CPU's intra-op threads are named tf_XLAEigen/<id> in a host trace
+HLO_KINDS = {"matmul": "matmul", "attention": "attention", "copy": "copies"}  # tfx.bench_traffic's -> ours
+CPU_THREADS_CAVEAT = ("XLA:CPU ran on {threads} intra-op threads: independent kernels overlapped and Eigen "
+                      "matmuls (dot.N) count their hand-off only; pin to one core (taskset -c 0) for kernel times")
 
 
 def kind_of(name: str) -> str:
@@ -75,9 +84,10 @@ def trace_times(trace: str) -> tuple[dict[str, int], dict[str, int], dict[str, i
   """One pass over a trace: ({kernel name: total ns}, {kernel name: calls}, {HLO instruction: total
   ns}, where). The kernels are the device planes' (`device_lines`) or, on a CPU, the host's XLA
   thunks (events with an `hlo_op`; control flow, a scan's while loop, spans the thunks it runs and
-  is counted through them). A kernel's instruction is its `hlo_op` stat; a device kernel without
-  one counts under its own name, which for XLA's fusions is the instruction's with '_' for '.'
-  (`join_bytes` matches either spelling)."""
+  is counted through them), where then says how many of XLA:CPU's intra-op threads ran them. A
+  kernel's instruction is its `hlo_op` stat; a device kernel without one counts under its own name,
+  which for XLA's fusions is the instruction's with '_' for '.' (`join_bytes` matches either
+  spelling)."""
   from jax.profiler import ProfileData
 
   data = ProfileData.from_file(trace)
@@ -98,6 +108,7 @@ def trace_times(trace: str) -> tuple[dict[str, int], dict[str, int], dict[str, i
           count(event, _hlo_op(event) or event.name)
   if total:
     return total, calls, by_op, "device"
+  pool = set()  # the intra-op threads that ran a thunk
   for plane in data.planes:
     if plane.name.startswith("/host:CPU"):
       for line in plane.lines:
@@ -105,7 +116,15 @@ def trace_times(trace: str) -> tuple[dict[str, int], dict[str, int], dict[str, i
           op = _hlo_op(event)
           if op and not event.name.startswith(CONTROL_FLOW):
             count(event, op)
-  return total, calls, by_op, "host (XLA:CPU thunks)"
+            if CPU_POOL_LINE in line.name:
+              pool.add(line.name)
+  return total, calls, by_op, f"host (XLA:CPU thunks, {len(pool)} intra-op thread{'' if len(pool) == 1 else 's'})"
+
+
+def intra_op_threads(where: str) -> int:
+  """The number of XLA:CPU intra-op threads `trace_times`'s `where` reports (0 for a device)."""
+  prefix = "host (XLA:CPU thunks, "
+  return int(where[len(prefix):].split()[0]) if where.startswith(prefix) else 0
 
 
 def _hlo_op(event) -> str | None:
@@ -156,22 +175,30 @@ def summarize(trace: str, steps: int = 3, top: int = 15, hlo_text: str | None = 
   """Per-step milliseconds by kind, outside and inside the layers, and the `top` kernels; with the
   step's optimized HLO, also every kernel's bytes and bandwidth (`join_bytes`, under "bytes")."""
   total, calls, by_op, where = trace_times(trace)
+  threads = intra_op_threads(where)
+  kind = kind_of
+  if where.startswith("host") and hlo_text:  # a thunk is traced under its instruction: the HLO knows its kind
+    from tfx import bench_traffic
+
+    kinds = {k.name: HLO_KINDS.get(k.kind, "xla fusions") for k in bench_traffic.kernels(hlo_text)}
+    kind = lambda name: kinds.get(name) or kind_of(name)
   all_ns = sum(total.values())
   by_kind = collections.Counter()
   once = collections.Counter()  # kernels called at most once a step: outside the scanned layers
   for name, ns in total.items():
-    by_kind[kind_of(name)] += ns
+    by_kind[kind(name)] += ns
     if calls[name] <= steps:
-      once[kind_of(name)] += ns
+      once[kind(name)] += ns
   per_step = lambda ns: ns / steps / 1e6
   return {
       "trace": trace,
       "source": where,
+      **({"caveat": CPU_THREADS_CAVEAT.format(threads=threads)} if threads > 1 else {}),
       "steps": steps,
       "busy_ms_per_step": per_step(all_ns),
       "kinds": {k: {"ms_per_step": per_step(by_kind[k]), "share": by_kind[k] / all_ns if all_ns else 0.0,
                     "once_a_step_ms": per_step(once[k])} for k in KINDS if by_kind[k]},
-      "top": [{"kernel": name, "kind": kind_of(name), "ms_per_step": per_step(ns),
+      "top": [{"kernel": name, "kind": kind(name), "ms_per_step": per_step(ns),
                "calls_per_step": calls[name] / steps}
               for name, ns in sorted(total.items(), key=lambda item: -item[1])[:top]],
       **({"bytes": join_bytes(by_op, hlo_text, steps=steps, devices=devices)} if hlo_text else {}),
@@ -181,6 +208,7 @@ def summarize(trace: str, steps: int = 3, top: int = 15, hlo_text: str | None = 
 def format_summary(summary: dict[str, Any], top: int = 15) -> str:
   lines = [f"{summary['trace']}: {summary['busy_ms_per_step']:.1f} ms of kernels a step ({summary['source']}, "
            f"{summary['steps']} steps)",
+           *([f"note: {summary['caveat']}"] if "caveat" in summary else []),
            f"{'kind':12s} {'ms/step':>8s} {'share':>6s} {'of which once a step':>21s}"]
   for kind, row in summary["kinds"].items():
     lines.append(f"{kind:12s} {row['ms_per_step']:8.2f} {100 * row['share']:5.1f}% {row['once_a_step_ms']:21.2f}")

@@ -157,6 +157,8 @@ def _kind(name: str, inst: Instruction, body: dict[str, Instruction] | None) -> 
     if all(o.op == "dynamic-update-slice" for o in outputs):
       return "in-place update"
     return "fusion"
+  if inst.op in ("dot", "convolution"):  # XLA:CPU's Eigen matmuls (a GPU's are custom calls or fusions)
+    return "matmul"
   return "copy" if inst.op in ("copy", "copy-start", "slice-start", "transpose") else "other"
 
 
