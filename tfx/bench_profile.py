@@ -80,11 +80,12 @@ def device_lines(plane) -> list:
   return ops or list(plane.lines)
 
 
-def trace_times(trace: str) -> tuple[dict[str, int], dict[str, int], dict[str, int], str]:
+def trace_times(trace: str) -> tuple[dict[str, int], dict[str, int], dict[str, int], str, int]:
   """One pass over a trace: ({kernel name: total ns}, {kernel name: calls}, {HLO instruction: total
-  ns}, where). The kernels are the device planes' (`device_lines`) or, on a CPU, the host's XLA
-  thunks (events with an `hlo_op`; control flow, a scan's while loop, spans the thunks it runs and
-  is counted through them), where then says how many of XLA:CPU's intra-op threads ran them. A
+  ns}, where, threads). The kernels are the device planes' (`device_lines`, threads 0) or, on a
+  CPU, the host's XLA thunks (events with an `hlo_op`; control flow, a scan's while loop, spans the
+  thunks it runs and is counted through them; threads: how many of XLA:CPU's intra-op threads ran
+  them). A
   kernel's instruction is its `hlo_op` stat; a device kernel without one counts under its own name,
   which for XLA's fusions is the instruction's with '_' for '.' (`join_bytes` matches either
   spelling)."""
@@ -107,7 +108,7 @@ def trace_times(trace: str) -> tuple[dict[str, int], dict[str, int], dict[str, i
         for event in line.events:
           count(event, _hlo_op(event) or event.name)
   if total:
-    return total, calls, by_op, "device"
+    return total, calls, by_op, "device", 0
   pool = set()  # the intra-op threads that ran a thunk
   for plane in data.planes:
     if plane.name.startswith("/host:CPU"):
@@ -118,13 +119,7 @@ def trace_times(trace: str) -> tuple[dict[str, int], dict[str, int], dict[str, i
             count(event, op)
             if CPU_POOL_LINE in line.name:
               pool.add(line.name)
-  return total, calls, by_op, f"host (XLA:CPU thunks, {len(pool)} intra-op thread{'' if len(pool) == 1 else 's'})"
-
-
-def intra_op_threads(where: str) -> int:
-  """The number of XLA:CPU intra-op threads `trace_times`'s `where` reports (0 for a device)."""
-  prefix = "host (XLA:CPU thunks, "
-  return int(where[len(prefix):].split()[0]) if where.startswith(prefix) else 0
+  return total, calls, by_op, "host (XLA:CPU thunks)", len(pool)
 
 
 def _hlo_op(event) -> str | None:
@@ -174,10 +169,9 @@ def summarize(trace: str, steps: int = 3, top: int = 15, hlo_text: str | None = 
               devices: int = 1) -> dict[str, Any]:
   """Per-step milliseconds by kind, outside and inside the layers, and the `top` kernels; with the
   step's optimized HLO, also every kernel's bytes and bandwidth (`join_bytes`, under "bytes")."""
-  total, calls, by_op, where = trace_times(trace)
-  threads = intra_op_threads(where)
+  total, calls, by_op, where, threads = trace_times(trace)
   kind = kind_of
-  if where.startswith("host") and hlo_text:  # a thunk is traced under its instruction: the HLO knows its kind
+  if where != "device" and hlo_text:  # a thunk is traced under its instruction: the HLO knows its kind
     from tfx import bench_traffic
 
     kinds = {k.name: HLO_KINDS.get(k.kind, "xla fusions") for k in bench_traffic.kernels(hlo_text)}
@@ -193,6 +187,7 @@ def summarize(trace: str, steps: int = 3, top: int = 15, hlo_text: str | None = 
   return {
       "trace": trace,
       "source": where,
+      "intra_op_threads": threads,
       **({"caveat": CPU_THREADS_CAVEAT.format(threads=threads)} if threads > 1 else {}),
       "steps": steps,
       "busy_ms_per_step": per_step(all_ns),
@@ -206,7 +201,9 @@ def summarize(trace: str, steps: int = 3, top: int = 15, hlo_text: str | None = 
 
 
 def format_summary(summary: dict[str, Any], top: int = 15) -> str:
-  lines = [f"{summary['trace']}: {summary['busy_ms_per_step']:.1f} ms of kernels a step ({summary['source']}, "
+  threads = summary.get("intra_op_threads", 0)
+  pool = f", {threads} intra-op thread{'s' if threads > 1 else ''}" if threads else ""
+  lines = [f"{summary['trace']}: {summary['busy_ms_per_step']:.1f} ms of kernels a step ({summary['source']}{pool}, "
            f"{summary['steps']} steps)",
            *([f"note: {summary['caveat']}"] if "caveat" in summary else []),
            f"{'kind':12s} {'ms/step':>8s} {'share':>6s} {'of which once a step':>21s}"]
