@@ -85,10 +85,9 @@ def trace_times(trace: str) -> tuple[dict[str, int], dict[str, int], dict[str, i
   ns}, where, threads). The kernels are the device planes' (`device_lines`, threads 0) or, on a
   CPU, the host's XLA thunks (events with an `hlo_op`; control flow, a scan's while loop, spans the
   thunks it runs and is counted through them; threads: how many of XLA:CPU's intra-op threads ran
-  them). A
-  kernel's instruction is its `hlo_op` stat; a device kernel without one counts under its own name,
-  which for XLA's fusions is the instruction's with '_' for '.' (`join_bytes` matches either
-  spelling)."""
+  them). A kernel's instruction is its `hlo_op` stat; a device kernel without one counts under its
+  own name, which for XLA's fusions is the instruction's with '_' for '.' (`join_bytes` matches
+  either spelling)."""
   from jax.profiler import ProfileData
 
   data = ProfileData.from_file(trace)
@@ -131,7 +130,8 @@ def _normal(name: str) -> str:
   return name.replace(".", "_").replace("-", "_")
 
 
-def join_bytes(times: dict[str, int], hlo_text: str, *, steps: int, devices: int = 1) -> dict[str, Any]:
+def join_bytes(times: dict[str, int], hlo_text: str, *, steps: int, devices: int = 1,
+               kernels: list | None = None) -> dict[str, Any]:
   """Each kernel of a compiled step (`tfx.bench_traffic.kernels` of its optimized HLO) with the
   time `times` ({instruction or kernel symbol: ns}, `trace_times`) gives it: rows of {kernel, kind,
   op, ms_per_step, gb_per_step, tb_per_s} by time, `matched_share` (the part of the traced time
@@ -140,14 +140,15 @@ def join_bytes(times: dict[str, int], hlo_text: str, *, steps: int, devices: int
   in an unrolled stack does not tell a layer's kernel from the head's).
 
   `devices`: how many devices the trace ran the program on (their times are summed in it; the
-  HLO is one device's program)."""
+  HLO is one device's program). `kernels`: `tfx.bench_traffic.kernels(hlo_text)` when the caller
+  has parsed it already."""
   from tfx import bench_traffic
 
   by_normal = collections.Counter()
   for op, ns in times.items():
     by_normal[_normal(op)] += ns
   rows, matched = [], 0
-  for kernel in bench_traffic.kernels(hlo_text):
+  for kernel in bench_traffic.kernels(hlo_text) if kernels is None else kernels:
     ns = times.get(kernel.name, 0) or by_normal.get(_normal(kernel.name), 0)
     if not ns:
       continue
@@ -170,11 +171,13 @@ def summarize(trace: str, steps: int = 3, top: int = 15, hlo_text: str | None = 
   """Per-step milliseconds by kind, outside and inside the layers, and the `top` kernels; with the
   step's optimized HLO, also every kernel's bytes and bandwidth (`join_bytes`, under "bytes")."""
   total, calls, by_op, where, threads = trace_times(trace)
-  kind = kind_of
-  if where != "device" and hlo_text:  # a thunk is traced under its instruction: the HLO knows its kind
+  kind, kernels = kind_of, None
+  if hlo_text:
     from tfx import bench_traffic
 
-    kinds = {k.name: HLO_KINDS.get(k.kind, "xla fusions") for k in bench_traffic.kernels(hlo_text)}
+    kernels = bench_traffic.kernels(hlo_text)  # parsed once, for the kinds here and join_bytes
+  if where != "device" and kernels:  # a thunk is traced under its instruction: the HLO knows its kind
+    kinds = {k.name: HLO_KINDS.get(k.kind, "xla fusions") for k in kernels}
     kind = lambda name: kinds.get(name) or kind_of(name)
   all_ns = sum(total.values())
   by_kind = collections.Counter()
@@ -196,7 +199,7 @@ def summarize(trace: str, steps: int = 3, top: int = 15, hlo_text: str | None = 
       "top": [{"kernel": name, "kind": kind(name), "ms_per_step": per_step(ns),
                "calls_per_step": calls[name] / steps}
               for name, ns in sorted(total.items(), key=lambda item: -item[1])[:top]],
-      **({"bytes": join_bytes(by_op, hlo_text, steps=steps, devices=devices)} if hlo_text else {}),
+      **({"bytes": join_bytes(by_op, hlo_text, steps=steps, devices=devices, kernels=kernels)} if hlo_text else {}),
   }
 
 
