@@ -3,7 +3,7 @@
     make bench-peer                                  # creates benchmarks/.venv-peer and runs this (CPU)
     benchmarks/.venv-peer/bin/python benchmarks/hf_flax/bench_peer.py [--models gpt2,bert,t5,bert_cls]
         [--sizes small,medium,deep,base] [--layers 2,4,8] [--dtype float32|bfloat16] [--reps 10]
-        [--compiles 3] [--json out.json]
+        [--compiles 3] [--json out.json] [--profile DIR]
 
 It runs on the first device JAX finds: `make bench-peer` pins it to the CPU (float32, the README's
 table); on a GPU, `--dtype bfloat16 --sizes base` (bf16 compute, float32 weights and optimizer on
@@ -35,6 +35,13 @@ Reported per model and size (ratio = tfx / HF; < 1 means tfx is faster or smalle
   GFLOP     XLA's cost analysis of the compiled step. It counts a while loop's body once, so for
             a step with a loop (scanned layers) tfx's is taken from the same step with
             model.scan_layers=False.
+
+`--profile DIR` traces three more steps a side after the timed ones (DIR/<model>_<size>/tfx and
+.../hf, each with its optimized HLO) and prints both sides' kernel time by kind
+(`tfx.bench_profile`). On a CPU with two or more cores those times overlap and Eigen's matmuls show
+their hand-off only; `XLA_FLAGS=--xla_cpu_multi_thread_eigen=false taskset -c 0` gives every
+kernel's own time (2026-11-29, T5 medium: tfx 2466 against HF 2573 ms of kernels a step, matmuls
+1838 / 1979).
 
 The machine these numbers come from may be shared: timings are interleaved and medians, and a
 run repeated later can move by 10-20 %.
@@ -255,7 +262,7 @@ def has_loop(compiled) -> bool:
 
 
 def run_one(model: str, size: str, reps: int, log, *, dtype: str = "float32", compiles: int = 3,
-            layers: int | None = None) -> dict:
+            layers: int | None = None, profile: str | None = None) -> dict:
   import transformers
 
   exp, objective, shardings, new_state, batch = tfx_setup(model, size, layers=layers)
@@ -312,6 +319,14 @@ def run_one(model: str, size: str, reps: int, log, *, dtype: str = "float32", co
     hf_state, _ = jax.block_until_ready(hf_c(hf_state, batch))
     hf_times.append(time.perf_counter() - start)
 
+  profiles = {}
+  if profile:  # three more steps a side, each under its own trace
+    folder = os.path.join(profile, f"{model}_{size}" + ("" if layers is None else f"_{layers}l"))
+    with parallel.context(exp.mesh):
+      profiles["tfx"], (state, _) = profile_steps(tfx_c, (state, batch, None), os.path.join(folder, "tfx"))
+    profiles["hf"], (hf_state, _) = profile_steps(hf_c, (hf_state, batch), os.path.join(folder, "hf"))
+    log(compare_profiles(f"{model}/{size}", profiles["tfx"], profiles["hf"]))
+
   layers, d, heads, ff, seq, b, vocab = size_spec(size, layers)
   ratio, low, high = paired_ratio(tfx_times, hf_times)
   return {
@@ -325,7 +340,42 @@ def run_one(model: str, size: str, reps: int, log, *, dtype: str = "float32", co
       "compile_s_tfx": statistics.median(tfx_compile), "compile_s_hf": statistics.median(hf_compile),
       "temp_bytes_tfx": tfx_temp, "temp_bytes_hf": hf_temp,
       "gflop_tfx": tfx_flops / 1e9, "gflop_hf": hf_flops / 1e9,
+      **({"profile": profiles} if profiles else {}),
   }
+
+
+def profile_steps(compiled, args: tuple, folder: str, steps: int = 3):
+  """Run `steps` steps of `compiled` (its state first in `args`, donated and handed on) under
+  `jax.profiler.trace(folder)`, write its optimized HLO beside the trace, and return
+  (`tfx.bench_profile.summarize` of the trace, the last step's outputs)."""
+  from tfx import bench_profile
+
+  state, rest = args[0], args[1:]
+  with jax.profiler.trace(folder):
+    for _ in range(steps):
+      out = jax.block_until_ready(compiled(state, *rest))
+      state = out[0]
+  hlo_text = compiled.as_text()
+  with open(os.path.join(folder, bench_profile.HLO_FILE), "w") as f:
+    f.write(hlo_text)
+  return bench_profile.summarize(bench_profile.find_trace(folder), steps=steps, hlo_text=hlo_text), out
+
+
+def compare_profiles(name: str, tfx_summary: dict, hf_summary: dict) -> str:
+  """Both sides' kernel time a step by kind (`tfx.bench_profile`'s), as lines of text. On a CPU
+  with more than one intra-op thread the kernels overlap and Eigen's matmuls are undercounted:
+  pin the process to one core with Eigen on one thread for per-kernel times (see --profile)."""
+  from tfx import bench_profile
+
+  lines = [f"{name}: kernel ms a step by kind, tfx / HF"
+           + (f" ({tfx_summary['intra_op_threads']} intra-op threads: the times overlap)"
+              if tfx_summary.get("intra_op_threads", 0) > 1 else "")]
+  kinds = [k for k in bench_profile.KINDS if k in tfx_summary["kinds"] or k in hf_summary["kinds"]]
+  for kind in kinds + ["all"]:
+    ms = [s["busy_ms_per_step"] if kind == "all" else s["kinds"].get(kind, {}).get("ms_per_step", 0.0)
+          for s in (tfx_summary, hf_summary)]
+    lines.append(f"  {kind:12s} {ms[0]:9.1f} / {ms[1]:9.1f}" + (f"  {ms[0] / ms[1]:.2f}x" if ms[1] else ""))
+  return "\n".join(lines)
 
 
 def paired_ratio(tfx_times: list[float], hf_times: list[float], resamples: int = 2000) -> tuple[float, float, float]:
@@ -367,6 +417,10 @@ def main(argv=None) -> None:
                       help="comma-separated layer counts run at each size in place of its own (e.g. 2,4,8: how "
                            "compile time grows with depth); T5's encoder and decoder both")
   parser.add_argument("--json", default=None)
+  parser.add_argument("--profile", default=None, metavar="DIR",
+                      help="after the timed steps, trace three more a side into DIR/<model>_<size>/{tfx,hf} and "
+                           "print both sides' kernel time by kind; for per-kernel times on a CPU run it as "
+                           "XLA_FLAGS=--xla_cpu_multi_thread_eigen=false taskset -c 0 ...")
   parser.add_argument("--tfx-override", action="append", default=[],
                       help="a tfx config override for the tfx side, e.g. --tfx-override=--config.model.scan_layers=False")
   args = parser.parse_args(argv)
@@ -393,7 +447,8 @@ def main(argv=None) -> None:
   for model in args.models.split(","):
     for size in args.sizes.split(","):
       for layers in depths:
-        results.append(run_one(model, size, args.reps, log, dtype=args.dtype, compiles=args.compiles, layers=layers))
+        results.append(run_one(model, size, args.reps, log, dtype=args.dtype, compiles=args.compiles, layers=layers,
+                               profile=args.profile))
         log(table(results[-1:]).splitlines()[-1])
         if args.json:  # after every row: a run stopped at a time limit keeps the finished ones
           with open(args.json, "w") as f:
