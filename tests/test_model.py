@@ -302,9 +302,42 @@ def test_weight_gradient_is_the_float32_product_whatever_the_compute_dtype(kerne
     error = lambda d: np.abs(np.asarray(d, np.float64) - exact).max() / np.abs(exact).max()
     assert error(dw) < 1e-5
     if dtype == jnp.float32:
-      np.testing.assert_array_equal(dw, dw_ad)  # autodiff's own computation
+      assert error(dw_ad) < 1e-5  # the same products (summed in another order on a CPU)
     else:
       assert error(dw_ad) > 1e-3  # what this replaces: the product rounded to bf16
+
+
+@pytest.mark.parametrize("kernel_major", [False, True])
+@pytest.mark.parametrize("k, m", [(48, 80), (80, 48)])  # either operand the narrower
+def test_weight_gradient_on_a_cpu_is_a_row_major_matmul_and_elsewhere_autodiffs(kernel_major, k, m):
+  """`weight_gradient` (the kernel's gradient in `project`), traced for a CPU, compiles to matmuls
+  that contract the left operand's last dim and the right's first (XLA:CPU's YNNPACK form; no
+  `lhs_contracting_dims={0}` left: the transposed copy was not folded back), traced for a GPU to
+  autodiff's single contraction of both operands' rows, without the barriers; both give x^T . g
+  to float32 rounding, and the GPU's trace (run here) autodiff's bits."""
+  from tfx.nn.layers import weight_gradient
+  from tfx.ops import target
+
+  rng = np.random.default_rng(14)
+  x = jnp.asarray(rng.normal(size=(4, 64, k)), jnp.float32)
+  g = jnp.asarray(rng.normal(size=(4, 64, m)), jnp.float32)
+  exact = np.asarray(x, np.float64).reshape(-1, k).T @ np.asarray(g, np.float64).reshape(-1, m)  # [k, m]
+  exact = exact.T if kernel_major else exact
+  autodiff = jax.vjp(lambda w: jnp.einsum("btk,km->btm", x, w), jnp.zeros((k, m)))[1](g)[0]
+  autodiff = autodiff.T if kernel_major else autodiff
+  for platform in ("cpu", "gpu"):
+    with target.lowering_for(platform):
+      lowered = jax.jit(lambda x, g: weight_gradient(x, g, jnp.float32, kernel_major)).lower(x, g)
+    assert ("optimization_barrier" in lowered.as_text()) == (platform == "cpu")
+    compiled = lowered.compile()
+    got = compiled(x, g)
+    assert got.shape == exact.shape and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-4)
+    if platform == "cpu":
+      dots = [line for line in compiled.as_text().splitlines() if " dot(" in line]
+      assert dots and not any("lhs_contracting_dims={0}" in line for line in dots), dots
+    else:
+      np.testing.assert_array_equal(got, autodiff)
 
 
 def test_small_parameters_gradients_are_float32_sums_whatever_the_compute_dtype():

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from tfx import ops
-from tfx.ops import activations
+from tfx.ops import activations, target
 
 Dtype = Any
 
@@ -134,9 +134,9 @@ def project(x: jax.Array, kernel: jax.Array, kernel_major: bool = False) -> jax.
   summed across the devices by a bf16 all-reduce (so compiled by XLA:GPU and XLA:TPU; NCCL rounds
   at every step of its ring). Here the partial sums stay float32 and so does their reduction, as
   Megatron-LM reduces bf16 models' gradients in float32, for one more float32 write and read of
-  each weight's gradient. In float32 it is autodiff's computation. The kernel's gradient contracts
-  all of x's leading dims at once, as autodiff of the same einsum does (XLA:CPU picks its matmul
-  kernel by that form).
+  each weight's gradient. In float32 it is autodiff's computation on a GPU or TPU; on a CPU the
+  same products summed in another kernel's order (`weight_gradient`). The kernel's gradient
+  contracts all of x's leading dims at once, as autodiff of the same einsum does.
   """
   return _project_fwd(x, kernel, kernel_major)[0]
 
@@ -150,12 +150,34 @@ def _project_bwd(kernel_major, residuals, g):
   x, kernel = residuals  # x [..., k]; g [..., m]
   w = kernel.astype(x.dtype)
   d_x = jax.lax.dot_general(g, w, (((g.ndim - 1,), (0 if kernel_major else 1,)), ((), ())))  # [..., k]
-  lead = tuple(range(x.ndim - 1))
-  d_w = jax.lax.dot_general(g, x, ((lead, lead), ((), ())), preferred_element_type=kernel.dtype)  # [m, k]
-  return d_x, (d_w if kernel_major else d_w.T)
+  return d_x, weight_gradient(x, g, kernel.dtype, kernel_major)
 
 
 project.defvjp(_project_fwd, _project_bwd)
+
+
+def weight_gradient(x: jax.Array, g: jax.Array, dtype: Dtype, kernel_major: bool = False) -> jax.Array:
+  """x [..., k], g [..., m] -> the product x^T . g over all the leading dims in `dtype`: [k, m], or
+  [m, k] with `kernel_major`.
+
+  Traced for a CPU (`target.row_major_weight_gradients`) the narrower operand is transposed into
+  a copy first and the matmul reads both row-major, which XLA:CPU runs in YNNPACK rather than
+  Eigen; the optimization barriers keep XLA from folding a transpose back into the matmul (its
+  transpose folding would, and a transposed output would be folded by swapping the operands). The
+  same sum of products, accumulated in the other kernel's order.
+  """
+  if not target.row_major_weight_gradients():
+    lead = tuple(range(x.ndim - 1))
+    d_w = jax.lax.dot_general(g, x, ((lead, lead), ((), ())), preferred_element_type=dtype)  # [m, k]
+    return d_w if kernel_major else d_w.T
+  fixed = jax.lax.optimization_barrier
+  x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])  # [n, k], [n, m]
+  row_major = (((1,), (0,)), ((), ()))
+  if x2.shape[1] <= g2.shape[1]:
+    d_w = jax.lax.dot_general(fixed(x2.T), g2, row_major, preferred_element_type=dtype)  # [k, n] . [n, m]
+    return fixed(d_w).T if kernel_major else d_w
+  d_w = jax.lax.dot_general(fixed(g2.T), x2, row_major, preferred_element_type=dtype)  # [m, n] . [n, k]
+  return d_w if kernel_major else fixed(d_w).T
 
 
 @jax.custom_vjp
