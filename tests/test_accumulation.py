@@ -52,7 +52,8 @@ CASES = {"nsp": ("nsp_tiny.py", NextSentencePrediction(ids=IDS, sentence_weight=
                                                              cos_weight=1.0))}
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "electra" else c  # ~50 s
+                                  for c in sorted(CASES)])
 def test_accumulated_composite_loss_is_the_whole_batchs(case):
   """Reference: the whole batch's loss written out over the same micro-batches and keys (each
   term's sum over them divided by its total count), differentiated as one function."""

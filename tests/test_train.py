@@ -99,7 +99,8 @@ XLNET_MEMORY = ["--config.model.family=xlnet", "--config.objective.name=permutat
                 "--config.objective.word_spans=true"]
 
 
-@pytest.mark.parametrize("overrides", [[], ENCODER_MLM, T5_SPANS, XLNET_MEMORY],
+@pytest.mark.parametrize("overrides", [[], ENCODER_MLM, T5_SPANS,
+                                       pytest.param(XLNET_MEMORY, marks=pytest.mark.slow)],  # ~55 s: `make test-slow`
                          ids=["decoder_clm", "encoder_mlm", "t5_spans", "xlnet_memory"])
 def test_exact_resume(tmp_path, shared_tokenizer, overrides):
   """Stopping after a checkpoint and resuming gives the same metrics and the same parameters,
