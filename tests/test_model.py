@@ -455,6 +455,35 @@ def test_attention_projects_what_shares_an_input_in_one_matmul_with_the_same_res
   assert jaxpr.count("dot_general") == (6 if not fuse else 5 if cross else 4)
 
 
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_gated_mlp_fused_off_a_cpu_is_the_same_function(use_bias):
+  """A gated MLP's two input projections: traced for a GPU (`target.fused_gated_projections`) one
+  matmul over their stacked kernels, for a CPU two; the parameters are the same DenseGenerals, and
+  the output and every gradient agree (the GPU's trace run here: it is plain XLA)."""
+  import dataclasses
+
+  from tfx.nn.layers import Mlp
+  from tfx.ops import target
+
+  cfg = dataclasses.replace(make_model(f"--config.model.use_bias={use_bias}", "--config.model.mlp=swiglu",
+                                       shapes_only=True)[0].cfg, remat="none")
+  mlp = Mlp(cfg)
+  rng = np.random.default_rng(4)
+  x = jnp.asarray(rng.normal(size=(2, 8, cfg.d_model)), jnp.float32)
+  params = nn.meta.unbox(mlp.init(jax.random.key(0), x))["params"]
+  assert sorted(params) == ["wi_0", "wi_1", "wo"] and ("bias" in params["wi_1"]) == use_bias
+  params = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
+  cotangent = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+  loss = lambda x, p: jnp.sum(mlp.apply({"params": p}, x) * cotangent)
+  results, matmuls = {}, {}
+  for platform in ("cpu", "gpu"):
+    with target.lowering_for(platform):
+      results[platform] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, params)
+      matmuls[platform] = str(jax.make_jaxpr(lambda x: mlp.apply({"params": params}, x))(x)).count("dot_general")
+  assert matmuls == {"cpu": 3, "gpu": 2}
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4), results["gpu"], results["cpu"])
+
+
 FUSED_LOSS_CASES = {
     "gpt2_tied": ("configs/tiny.py", ()),
     "decoder_untied_bf16": ("configs/tiny.py", ("--config.model.tie_embeddings=false", "--config.model.dtype=bfloat16")),

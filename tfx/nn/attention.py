@@ -3,7 +3,7 @@
 The module projects, applies rotary positions if asked, and calls the pure
 `tfx.ops.dot_product_attention` with the mask it is given. It knows nothing about causality,
 packing or objectives: those are in the mask. The projections of one input run as one matmul
-(`_fused_projections`): q, k and v of a self-attention, k and v of a cross-attention.
+(`tfx.nn.layers.fused_projections`): q, k and v of a self-attention, k and v of a cross-attention.
 
 KV cache (decode=True): the cache holds `cached_key`/`cached_value` [b, s, k, d] for the
 maximum length s, `cached_segment` [b, s] (the segment id of each cached token, 0 = empty or
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from tfx import ops
-from tfx.nn.layers import DenseGeneral, ModelConfig, add_bias, constrain, flat_matmul
+from tfx.nn.layers import DenseGeneral, ModelConfig, constrain, fused_projections
 
 
 class Attention(nn.Module):
@@ -61,10 +61,10 @@ class Attention(nn.Module):
     if not fuse:
       q, k, v = (p(x) for p, x in zip(projections, (x_q, x_kv, x_kv)))  # [b, t|s, h, d] each
     elif x_q is x_kv:  # self-attention: one matmul for the three projections, else for k and v
-      q, k, v = _fused_projections(projections, x_q, cfg.compute_dtype)  # [b, t, h, d] each
+      q, k, v = fused_projections(projections, x_q, cfg.compute_dtype)  # [b, t, h, d] each
     else:
       q = projections[0](x_q)  # [b, t, h, d]
-      k, v = _fused_projections(projections[1:], x_kv, cfg.compute_dtype)  # [b, s, h, d] each
+      k, v = fused_projections(projections[1:], x_kv, cfg.compute_dtype)  # [b, s, h, d] each
     if self.use_rotary:
       q = ops.rotary(q, q_positions, cfg.rope_base)
       k = ops.rotary(k, kv_positions, cfg.rope_base)
@@ -109,23 +109,6 @@ class Attention(nn.Module):
     causal = jnp.arange(s)[None, :] <= q_index[:, None]  # [t, s]
     mask = causal[None, None] & ops.segment_mask(q_segment_ids, cached_seg.value)  # [b, 1, t, s]
     return cached_k.value, cached_v.value, mask
-
-
-def _fused_projections(projections: list[DenseGeneral], x: jax.Array, dtype) -> list[jax.Array]:
-  """x [b, t, e] through the `DenseGeneral`s (e -> [h, d] each) as one matmul: [b, t, h, d] each.
-
-  The kernels stay separate parameters; stacked on an axis after `heads` ([e, h, n, d]), a
-  heads-sharded (tensor-parallel) kernel stays sharded on the flattened output dim. One matmul
-  reads x once, and in the backward pass the input gradient is one matmul over the n projections'
-  output gradients together, instead of n matmuls whose products are then summed.
-  """
-  weights = [p(None, weights_only=True) for p in projections]
-  kernel = jnp.stack([w[0] for w in weights], axis=2)  # [e, h, n, d], float32
-  bias = None if weights[0][1] is None else jnp.stack([w[1] for w in weights], axis=1)  # [h, n, d]
-  y = flat_matmul(x.astype(dtype), kernel, 1)  # [b, t, h, n, d]
-  if bias is not None:
-    y = add_bias(y, bias)
-  return [y[..., i, :] for i in range(len(projections))]
 
 
 def _reference_with_dropout(q, k, v, mask, bias, scale, rate, rng):

@@ -327,6 +327,26 @@ def activation(kind: str):
   return _ACTIVATIONS[kind]
 
 
+def fused_projections(projections: list["DenseGeneral"], x: jax.Array, dtype) -> list[jax.Array]:
+  """x [b, t, e] through `DenseGeneral`s that share it (e -> [o, *rest] each) as one matmul.
+
+  The kernels stay separate parameters; stacked on an axis right after their first output dim
+  ([e, o, n, *rest]), a kernel sharded on that dim (heads or mlp: tensor parallelism) stays sharded
+  on the flattened output dim. One matmul reads x once, and in the backward pass the input gradient
+  is one matmul over the n projections' output gradients together, instead of n matmuls whose
+  products are then summed. Used for q, k and v of a self-attention, k and v of a cross-attention,
+  and a gated MLP's two input projections. Returns [b, t, o, *rest] each.
+  """
+  weights = [p(None, weights_only=True) for p in projections]
+  kernel = jnp.stack([w[0] for w in weights], axis=2)  # [e, o, n, *rest], float32
+  bias = None if weights[0][1] is None else jnp.stack([w[1] for w in weights], axis=1)  # [o, n, *rest]
+  y = flat_matmul(x.astype(dtype), kernel, 1)  # [b, t, o, n, *rest]
+  if bias is not None:
+    y = add_bias(y, bias)
+  at = (slice(None),) * x.ndim  # up to and including o
+  return [y[at + (i,)] for i in range(len(projections))]
+
+
 class Mlp(nn.Module):
   """Position-wise feed-forward: dense-act-dense, or gated (act(x W0) * (x W1)) W_out."""
 
@@ -341,9 +361,15 @@ class Mlp(nn.Module):
         (x.shape[-1],) if axes[0] == "embed" else (cfg.d_ff,), (out,), axes,
         use_bias=cfg.use_bias, init_std=cfg.init_std, dtype=cfg.compute_dtype, name=name)
     act = _ACTIVATIONS[cfg.mlp]
-    h = act(dense(cfg.d_ff, ("embed", "mlp"), "wi_0")(x))  # [b, t, f]
-    if cfg.mlp in GATED:
-      h = h * dense(cfg.d_ff, ("embed", "mlp"), "wi_1")(x)
+    if cfg.mlp in GATED:  # act(x W0) * (x W1)
+      projections = [dense(cfg.d_ff, ("embed", "mlp"), name) for name in ("wi_0", "wi_1")]
+      if target.fused_gated_projections():
+        gate, up = fused_projections(projections, x, cfg.compute_dtype)  # one matmul: [b, t, f] each
+      else:
+        gate, up = (projection(x) for projection in projections)
+      h = act(gate) * up
+    else:
+      h = act(dense(cfg.d_ff, ("embed", "mlp"), "wi_0")(x))  # [b, t, f]
     h = constrain(h, ("act_batch", "act_length", "act_mlp"))
     h = nn.Dropout(cfg.dropout)(h, deterministic=self.deterministic)
     return dense(cfg.d_model, ("mlp", "embed"), "wo")(h)  # [b, t, e]
