@@ -172,12 +172,11 @@ def weight_gradient(x: jax.Array, g: jax.Array, dtype: Dtype, kernel_major: bool
     return d_w if kernel_major else d_w.T
   fixed = jax.lax.optimization_barrier
   x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])  # [n, k], [n, m]
-  row_major = (((1,), (0,)), ((), ()))
-  if x2.shape[1] <= g2.shape[1]:
-    d_w = jax.lax.dot_general(fixed(x2.T), g2, row_major, preferred_element_type=dtype)  # [k, n] . [n, m]
-    return fixed(d_w).T if kernel_major else d_w
-  d_w = jax.lax.dot_general(fixed(g2.T), x2, row_major, preferred_element_type=dtype)  # [m, n] . [n, k]
-  return d_w if kernel_major else fixed(d_w).T
+  x_narrower = x2.shape[1] <= g2.shape[1]
+  a, b = (x2, g2) if x_narrower else (g2, x2)  # the narrower one is copied transposed
+  d_w = jax.lax.dot_general(fixed(a.T), b, (((1,), (0,)), ((), ())), preferred_element_type=dtype)
+  # d_w: [k, m] when x was the narrower, else [m, k]
+  return d_w if x_narrower != kernel_major else fixed(d_w).T
 
 
 @jax.custom_vjp
