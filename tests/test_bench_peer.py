@@ -96,8 +96,8 @@ def test_peer_bench_profile_traces_each_side_and_compares_kinds(tmp_path):
 
 def test_ab_step_traces_the_swap_for_b_and_restores_the_original(tmp_path, capsys):
   """benchmarks/hf_flax/ab_step.py: B's step is traced with the replacement, the module's own
-  function is back afterwards, the same function gives the same loss, and a malformed
-  or unknown swap stops before any model is built."""
+  function is back afterwards, the same function gives the same loss; with `--override` only B's
+  config changes; a malformed or unknown swap, or nothing to compare, stops before any model is built."""
   import importlib.util
 
   from tfx.ops import attention
@@ -112,11 +112,19 @@ def test_ab_step_traces_the_swap_for_b_and_restores_the_original(tmp_path, capsy
   original = attention._grouped
   swap = ab.load_swap(f"tfx.ops.attention._grouped={variant}:grouped")
   calls = swap[2].__globals__["CALLS"]
-  ab.run("gpt2", "small", 1, swap)
+  ab.run("gpt2", "small", 1, swap, [])
   assert attention._grouped is original and calls  # traced for B, then put back
   out = capsys.readouterr().out
   losses = [line.split("loss ")[1] for line in out.splitlines() if " loss " in line]
   assert len(losses) == 2 and losses[0] == losses[1] and "B / A" in out
+  # --override: B alone is built from the changed config (another seed: other initial weights),
+  # and the peer benchmark's own overrides are left as they were
+  ab.run("gpt2", "small", 1, None, ["--config.train.seed=7"])
+  out = capsys.readouterr().out
+  losses = [line.split("loss ")[1] for line in out.splitlines() if " loss " in line]
+  assert len(losses) == 2 and losses[0] != losses[1] and not ab.bench_peer.EXTRA_OVERRIDES
+  with pytest.raises(SystemExit, match="nothing to compare"):
+    ab.main(["--models", "gpt2"])
   for bad, message in (("tfx.ops.attention._grouped", "expected MODULE.ATTR"),
                        (f"tfx.ops.attention.nothing={variant}:grouped", "has no nothing")):
     with pytest.raises(SystemExit, match=message):

@@ -1,11 +1,13 @@
-"""tfx's train step against itself with one function swapped, in one process.
+"""tfx's train step against itself with one function swapped or one setting changed, in one process.
 
     python benchmarks/hf_flax/ab_step.py --models t5 --sizes medium --reps 15 \\
         --swap tfx.ops.attention._sum_to_bias=variants.py:old_sum
+    python benchmarks/hf_flax/ab_step.py --models gpt2 --sizes medium --override=--config.model.loss_chunk=32
 
 Between processes this 2-core machine drifts by 5-10%, more than most single changes move a
-step; here both steps (A: the code as it is, B: with MODULE.ATTR replaced by the function ATTR2 of
-FILE while the step is traced) are compiled from the same state and batch, run interleaved, and
+step; here both steps (A: the code and config as they are, B: with MODULE.ATTR replaced by the
+function ATTR2 of FILE while the step is traced, and/or built from the config with the
+`--override`s added) are compiled from the same initial parameters and batch, run interleaved, and
 the median of the per-step ratios B / A is printed with its interquartile range, with each side's
 loss after the first step (the same function should give the same loss). The models and sizes are
 the peer benchmark's (bench_peer.py's tfx side, its own venv: `make bench-peer` builds it).
@@ -46,13 +48,30 @@ def load_swap(spec: str):
   return module, attr, getattr(variant, name)
 
 
-def run(model: str, size: str, reps: int, swap) -> None:
-  module, attr, replacement = swap
-  exp, _, shardings, new_state, batch = bench_peer.tfx_setup(model, size)
-  original = getattr(module, attr)
-  steps, states, times = {}, {}, {"A": [], "B": []}
+def setups(model: str, size: str, overrides: list[str]) -> dict:
+  """{side: bench_peer.tfx_setup(...)}: A the peer benchmark's config, B the same with `overrides`
+  (the same experiment when there are none)."""
+  a = bench_peer.tfx_setup(model, size)
+  if not overrides:
+    return {"A": a, "B": a}
+  bench_peer.EXTRA_OVERRIDES[:] = overrides
+  try:
+    b = bench_peer.tfx_setup(model, size)
+  finally:
+    bench_peer.EXTRA_OVERRIDES[:] = []
+  return {"A": a, "B": b}
+
+
+def run(model: str, size: str, reps: int, swap, overrides: list[str]) -> None:
+  module, attr, replacement = swap or (None, None, None)
+  sides = setups(model, size, overrides)
+  original = None if module is None else getattr(module, attr)
+  steps, states, times, meshes = {}, {}, {"A": [], "B": []}, {}
   for side in ("A", "B"):
-    setattr(module, attr, original if side == "A" else replacement)
+    exp, _, shardings, new_state, batch = sides[side]
+    meshes[side] = exp.mesh
+    if module is not None:
+      setattr(module, attr, original if side == "A" else replacement)
     try:
       with parallel.context(exp.mesh):
         state = new_state()
@@ -61,13 +80,14 @@ def run(model: str, size: str, reps: int, swap) -> None:
         seconds = time.perf_counter() - start
         states[side], metrics = steps[side](state, batch, None)
     finally:
-      setattr(module, attr, original)
+      if module is not None:
+        setattr(module, attr, original)
     print(f"{model}/{size} {side}: compiled in {seconds:.2f} s, loss {float(metrics['loss']):.6f}", flush=True)
   for _ in range(reps):
     for side in ("A", "B"):
-      with parallel.context(exp.mesh):
+      with parallel.context(meshes[side]):
         start = time.perf_counter()
-        states[side], _ = jax.block_until_ready(steps[side](states[side], batch, None))
+        states[side], _ = jax.block_until_ready(steps[side](states[side], sides[side][4], None))
         times[side].append(time.perf_counter() - start)
   ratio = np.asarray(times["B"]) / np.asarray(times["A"])
   low, high = np.percentile(ratio, [25, 75])
@@ -80,15 +100,19 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--models", default="t5", help="comma-separated: " + ", ".join(bench_peer.MODELS))
   parser.add_argument("--sizes", default="medium", help="comma-separated: " + ", ".join(bench_peer.SIZES))
   parser.add_argument("--reps", type=int, default=15, help="timed steps per side (interleaved)")
-  parser.add_argument("--swap", required=True, help="MODULE.ATTR=FILE.py:FUNCTION: B's replacement of MODULE.ATTR")
+  parser.add_argument("--swap", help="MODULE.ATTR=FILE.py:FUNCTION: B's replacement of MODULE.ATTR")
+  parser.add_argument("--override", action="append", default=[],
+                      help="a config override for B only, e.g. --override=--config.model.loss_chunk=32 (repeatable)")
   args = parser.parse_args(argv)
-  swap = load_swap(args.swap)
+  if not args.swap and not args.override:
+    raise SystemExit("nothing to compare: give --swap MODULE.ATTR=FILE.py:FUNCTION and/or --override=--config.KEY=VALUE")
+  swap = load_swap(args.swap) if args.swap else None
   for model in args.models.split(","):
     if model not in bench_peer.MODELS or model == "bert_cls":
       raise SystemExit(f"unknown model {model!r}: one of gpt2, bert, t5")
     for size in args.sizes.split(","):
       bench_peer.size_spec(size)  # refuses an unknown size
-      run(model, size, args.reps, swap)
+      run(model, size, args.reps, swap, args.override)
 
 
 if __name__ == "__main__":
