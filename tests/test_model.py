@@ -314,7 +314,8 @@ def test_weight_gradient_on_a_cpu_is_a_row_major_matmul_and_elsewhere_autodiffs(
   that contract the left operand's last dim and the right's first (XLA:CPU's YNNPACK form; no
   `lhs_contracting_dims={0}` left: the transposed copy was not folded back), traced for a GPU to
   autodiff's single contraction of both operands' rows, without the barriers; both give x^T . g
-  to float32 rounding, and the GPU's trace (run here) autodiff's bits."""
+  to float32 rounding, and the GPU's trace (run here) autodiff's product to float32 rounding (its
+  bits depend on which kernel this CPU picks for either operand order)."""
   from tfx.nn.layers import weight_gradient
   from tfx.ops import target
 
@@ -336,8 +337,9 @@ def test_weight_gradient_on_a_cpu_is_a_row_major_matmul_and_elsewhere_autodiffs(
     if platform == "cpu":
       dots = [line for line in compiled.as_text().splitlines() if " dot(" in line]
       assert dots and not any("lhs_contracting_dims={0}" in line for line in dots), dots
-    else:
-      np.testing.assert_array_equal(got, autodiff)
+    else:  # one contraction of the operands as they are: no copy, nothing for XLA to keep apart
+      assert lowered.as_text().count("stablehlo.dot_general") == 1
+      np.testing.assert_allclose(got, autodiff, rtol=1e-5, atol=1e-4)
 
 
 def test_small_parameters_gradients_are_float32_sums_whatever_the_compute_dtype():
@@ -449,7 +451,10 @@ def test_attention_projects_what_shares_an_input_in_one_matmul_with_the_same_res
   got_loss, got = jax.value_and_grad(loss(module), argnums=(0, 1, 2))(x, y, params)
   want_loss, want = jax.value_and_grad(loss(by_hand), argnums=(0, 1, 2))(x, y, params)
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4), got, want)
+  # float32 sums in other orders: errors of a few ulps of the largest gradient entry (~1e2 here),
+  # also in the key bias's gradient, which is 0 but for that rounding (softmax ignores q . b_k)
+  scale = max(float(np.abs(leaf).max()) for leaf in jax.tree.leaves(want))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5 * scale), got, want)
   jaxpr = str(jax.make_jaxpr(lambda x, y: module(x, y, params))(x, y))
   # the fused projections, q.k, p.v and the output projection (+ the query's own, across)
   assert jaxpr.count("dot_general") == (6 if not fuse else 5 if cross else 4)
