@@ -66,10 +66,9 @@ def run(model: str, size: str, reps: int, swap, overrides: list[str]) -> None:
   module, attr, replacement = swap or (None, None, None)
   sides = setups(model, size, overrides)
   original = None if module is None else getattr(module, attr)
-  steps, states, times, meshes = {}, {}, {"A": [], "B": []}, {}
+  steps, states, times = {}, {}, {"A": [], "B": []}
   for side in ("A", "B"):
     exp, _, shardings, new_state, batch = sides[side]
-    meshes[side] = exp.mesh
     if module is not None:
       setattr(module, attr, original if side == "A" else replacement)
     try:
@@ -85,9 +84,10 @@ def run(model: str, size: str, reps: int, swap, overrides: list[str]) -> None:
     print(f"{model}/{size} {side}: compiled in {seconds:.2f} s, loss {float(metrics['loss']):.6f}", flush=True)
   for _ in range(reps):
     for side in ("A", "B"):
-      with parallel.context(meshes[side]):
+      exp, *_, batch = sides[side]
+      with parallel.context(exp.mesh):
         start = time.perf_counter()
-        states[side], _ = jax.block_until_ready(steps[side](states[side], sides[side][4], None))
+        states[side], _ = jax.block_until_ready(steps[side](states[side], batch, None))
         times[side].append(time.perf_counter() - start)
   ratio = np.asarray(times["B"]) / np.asarray(times["A"])
   low, high = np.percentile(ratio, [25, 75])
