@@ -9,6 +9,7 @@ backward pass recomputes it (`full`).
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -115,6 +116,43 @@ def test_cudnn_takes_odd_lengths_that_its_backward_pass_refuses(length, kind):
     lowered = jax.jit(jax.grad(loss)).trace(q).lower(lowering_platforms=("cuda",))
   assert [impl for impl, _ in chosen] == ["cudnn"]
   assert bench_lower.kernel_calls(lowered.as_text()) == {"cudnn forward": 1, "cudnn backward": 1}
+
+
+def _backward_results(lowered_text: str) -> list[str]:
+  """The result types of the cuDNN backward call in a lowered module (one call expected)."""
+  (line,) = [l for l in lowered_text.splitlines() if "fmha" in l and "Backward" in l]
+  return re.findall(r"tensor<([^>]*)>", line.rsplit("->", 1)[1])
+
+
+@pytest.mark.parametrize("kind", ["segments", "causal segments", "dense", "bias", "bias and segments"])
+def test_cudnn_backward_writes_a_bias_gradient_only_for_a_bias(kind):
+  # JAX folds a mask into a bias and (jax >= 0.8) asks cuDNN's backward kernel for that bias's
+  # gradient, a [b, 1, t, s] tensor nobody reads: a mask alone goes without it
+  # (target.cudnn_without_bias_gradient); the model's own bias (T5's relative positions, XLNet's
+  # relative scores) keeps its gradient, the mask folded into it or not
+  fused = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")  # JAX's private module
+  original = fused.should_export_dbias
+  q = jnp.zeros((2, 16, 4, 64), jnp.bfloat16)
+  ids = jnp.ones((2, 16), jnp.int32).at[1, -3:].set(0)
+  mask = {"segments": masks.SegmentMask(ids), "causal segments": masks.SegmentMask(ids, causal=True),
+          "dense": jnp.ones((2, 1, 16, 16), bool).at[0, 0, 3, 5].set(False), "bias": None,
+          "bias and segments": masks.SegmentMask(ids, causal=True)}[kind]
+  bias = jnp.zeros((1, 4, 16, 16), jnp.bfloat16) if kind.startswith("bias") else None
+
+  def loss(q, bias):
+    return attention.dot_product_attention(q, q, q, mask=mask, bias=bias).astype(jnp.float32).sum()
+
+  with target.lowering_for("gpu"), attention.recorded_choices() as chosen:
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1) if bias is not None else 0)).trace(q, bias).lower(
+        lowering_platforms=("cuda",))
+  assert [impl for impl, _ in chosen] == ["cudnn"]
+  results = _backward_results(lowered.as_text())
+  gradients = ["2x4x16x64xbf16"] * 3  # dq, dk, dv
+  if bias is None:
+    assert results == gradients + ["0xui8"]
+  else:  # the bias's gradient, [b|1, h, t, s] as the bias cuDNN gets (the mask folded in)
+    assert results[:3] == gradients and len(results) == 5 and results[3].endswith("x4x16x16xbf16")
+  assert fused.should_export_dbias is original  # undone after the call
 
 
 @pytest.mark.parametrize("t, s, masked", [(5, 7, True), (5, 8, True), (6, 7, False), (7, 7, True), (5, 7, "lengths"),

@@ -405,11 +405,14 @@ def _cudnn_attention(q, k, v, mask, bias, scale: float, causal: bool) -> tuple[j
     v, kwargs["mask"] = padding_attends_padding(v, mask)
   elif mask is not None:
     kwargs["mask"] = kernel_mask(_dense(mask, t, s))
+  # A mask alone (no bias of the model's) needs no gradient of the bias JAX folds it into.
+  no_bias_gradient = bias is None and "mask" in kwargs
   try:
     # A mask stays exact for every row with a key; `is_causal` lets cuDNN skip the key blocks
     # above the diagonal (with lengths, it is the causal half of cuDNN's PADDING_CAUSAL mask).
-    return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=scale, is_causal=causal and t == s,
-                                        implementation="cudnn", **kwargs), None
+    with target.cudnn_without_bias_gradient() if no_bias_gradient else contextlib.nullcontext():
+      return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=scale, is_causal=causal and t == s,
+                                          implementation="cudnn", **kwargs), None
   except Exception as e:  # noqa: BLE001  (cuDNN refuses a shape / layout / version at trace time)
     return None, str(e).splitlines()[0][:120]
 

@@ -72,6 +72,35 @@ def _assumed_cudnn() -> Iterator[None]:
     fused.check_cudnn_version = original
 
 
+@contextlib.contextmanager
+def cudnn_without_bias_gradient() -> Iterator[None]:
+  """Inside the block, JAX's cuDNN attention builds its backward pass without the bias's gradient.
+
+  For a mask alone: JAX folds a boolean mask into an additive bias ([b|1, h|1, t, s], 0 or a
+  large negative number) and, from jax 0.8 (`should_export_dbias` always true) to 0.11.0, has
+  cuDNN's backward kernel write that bias's gradient too, a [b, 1, t, s] tensor nobody reads (and
+  on a mesh that splits the heads, summed over their devices); 0.11.1 stopped it for a boolean
+  mask (jax-ml/jax#39512). A mask has no gradient: without it the backward kernel reads the bias
+  and writes dq, dk and dv only. The choice is made when the call is traced (it is one of the primitive's
+  static arguments, forward and backward both), so only the call itself goes inside the block.
+  It is JAX's private module: if it moved, nothing is replaced and the gradient is computed.
+  """
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as fused  # noqa: PLC0415
+  except ImportError:
+    yield
+    return
+  original = getattr(fused, "should_export_dbias", None)
+  if original is None:
+    yield
+    return
+  fused.should_export_dbias = lambda *_: False
+  try:
+    yield
+  finally:
+    fused.should_export_dbias = original
+
+
 def one_pass_reductions() -> bool:
   """Whether row statistics are taken as one variadic reduction that reads a tensor once (a max
   and a sum of exponentials; a count, mean and squared deviations) rather than one reduction per
