@@ -109,6 +109,12 @@ def get_config() -> ml_collections.ConfigDict:
   # multiple of 128 tokens; XLA elsewhere) or 'reference' (the einsum reference, for debugging).
   # The kernel chosen is logged once with the reason.
   c.model.attention = "auto"
+  # cuDNN's packed layout for packed rows (a Hopper GPU or later; the self-attention of the decoder
+  # and encoder families, no bias): each run of one segment id in a row (a document, a run of
+  # padding) goes to cuDNN as a sequence of its own, so the kernel reads no [b, 1, t, t] mask and
+  # skips the key blocks of the other documents. A batch with a row of more runs than this (or a
+  # document split over two runs) attends with the mask instead. 0 = always the mask.
+  c.model.packed_runs = 0
   # Fuse the output projection with the token loss (the objectives that predict tokens from the final
   # hidden states: causal, prefix and span-corruption LMs, text infilling, UL2): each row is cut into
   # chunks of this many tokens, and each chunk's [b, chunk, vocab] logits, loss and gradients are

@@ -54,10 +54,14 @@ def test_assumed_cudnn_version_is_undone_after_the_block():
     pytest.skip("cuDNN is installed here: its own version is used")
   with pytest.raises(RuntimeError, match="cuDNN"):
     fused.check_cudnn_version()
+  capability = fused.check_compute_capability
   with target.lowering_for("gpu"):
     assert fused.check_cudnn_version() == target.CUDNN_ASSUMED
+    # an H100's: Hopper's packed layout lowers, Blackwell's checks do not apply
+    assert fused.check_compute_capability("9.0") and not fused.check_compute_capability("10.0")
   with pytest.raises(RuntimeError, match="cuDNN"):
     fused.check_cudnn_version()
+  assert fused.check_compute_capability is capability and not capability("9.0")  # no GPU here
   with pytest.raises(ZeroDivisionError):  # a failure inside the block undoes it too
     with target.lowering_for("gpu"):
       assert target.backend() == "gpu"

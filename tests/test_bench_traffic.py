@@ -74,6 +74,26 @@ HLO = """HloModule jit_step, entry_computation_layout={()}
   ROOT %negate.7 = f32[1024]{0} negate(%p)
 }
 
+%fit (p: f32[1024]) -> f32[1024] {
+  %p = f32[1024]{0} parameter(0)
+  ROOT %exponential.10 = f32[1024]{0} exponential(%p)
+}
+
+%unfit (p: f32[1024]) -> f32[1024] {
+  %p = f32[1024]{0} parameter(0)
+  ROOT %log.11 = f32[1024]{0} log(%p)
+}
+
+%first (p: f32[1024]) -> f32[1024] {
+  %p = f32[1024]{0} parameter(0)
+  ROOT %log.12 = f32[1024]{0} log(%p)
+}
+
+%last (p: f32[1024]) -> f32[1024] {
+  %p = f32[1024]{0} parameter(0)
+  ROOT %sqrt.13 = f32[1024]{0} sqrt(%p)
+}
+
 ENTRY %main (p0: bf16[12,8,1024]) -> bf16[12,8,1024] {
   %p0 = bf16[12,8,1024]{2,1,0} parameter(0)
   %zero = s32[] constant(0)
@@ -85,6 +105,10 @@ ENTRY %main (p0: bf16[12,8,1024]) -> bf16[12,8,1024] {
 "xprof_metadata":"{\\"block_q\\": 512}"
 }}, metadata={op_name="jit(step_fn)/splash"}
   %called = f32[1024]{0} call(%ones), to_apply=%side
+  %fits = pred[] constant(true)
+  %either = f32[1024]{0} conditional(%fits, %ones, %ones), true_computation=%fit, false_computation=%unfit
+  %index = s32[] constant(0)
+  %which = f32[1024]{0} conditional(%index, %ones, %ones), branch_computations={%first, %last}
   %wide = bf16[8,4096]{1,0} constant({...})
   %cut = bf16[8,1024]{1,0} fusion(%wide), kind=kLoop, calls=%fused_cut
   %ss = ((bf16[8,4096]{1,0:T(8,128)(2,1)}), bf16[8,1024]{1,0:T(8,128)(2,1)S(1)}, s32[]{:S(2)}) slice-start(%wide), slice={[0:8], [0:1024]}
@@ -102,8 +126,9 @@ def test_kernels_count_what_each_reads_and_writes_times_the_loop_trips():
   kernels = {k.name: k for k in bench_traffic.kernels(HLO)}
   # negate.8's attributes span three lines (as splash's kernel metadata does on a TPU): what follows
   # it in the computation is still read
+  # of a conditional, one branch: a cond's true one (the last of an indexed conditional's)
   assert set(kernels) == {"row", "x", "scaled", "gemm", "updated", "picked", "copy.9", "negate.7", "negate.8",
-                          "cut", "ss", "cs"}
+                          "cut", "ss", "cs", "exponential.10", "sqrt.13"}
   assert kernels["negate.7"] == bench_traffic.Kernel("negate.7", "other", 1, 1024 * 4, 1024 * 4)  # in a call
   row = 8 * 1024 * 2  # one [8, 1024] bf16 layer of the stack
   # the dynamic slice (and its 4-byte index), not the stack

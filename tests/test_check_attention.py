@@ -22,9 +22,11 @@ def test_cases_cover_the_masks_of_every_family(cases):
   """Causal / bidirectional packed rows as segment ids, grouped-query heads, the dense masks
   (prefix LM, both XLNet streams, cross attention), T5's bias beside a packed mask and beside rows'
   lengths, XLNet's terms as a bias per row; the query stream has rows with no key; a packed row and
-  rows' lengths at an odd length."""
+  rows' lengths at an odd length; packed rows as runs for cuDNN's packed layout, fitting it or not."""
   names = [c.name for c in cases]
-  assert names == ["causal_packed", "causal_padded", "bidirectional_padded", "grouped_query_causal", "prefix_lm",
+  assert names == ["causal_packed", "causal_padded", "bidirectional_padded", "grouped_query_causal",
+                   "causal_packed_runs", "bidirectional_padded_runs", "grouped_query_causal_runs",
+                   "causal_packed_runs_overflow", "prefix_lm",
                    "two_stream_content", "two_stream_query", "cross", "biased_packed", "biased_lengths",
                    "biased_causal_lengths", "biased_two_stream", "cross_lengths", "causal_padded_odd",
                    "biased_causal_lengths_odd"]
@@ -38,6 +40,9 @@ def test_cases_cover_the_masks_of_every_family(cases):
   lengths = by_name["biased_causal_lengths"].mask
   assert isinstance(lengths, attn.LengthMask) and lengths.causal and lengths.q_lengths.tolist() == [24, 2]
   assert by_name["cross_lengths"].mask.shape == (32, 16)
+  # packed: 3 documents a row, padded: 2 and padding; a layout of 4 runs fits both, one of 2 neither
+  assert [bool(by_name[name].mask.runs.fits) for name in ("causal_packed_runs", "bidirectional_padded_runs",
+                                                           "causal_packed_runs_overflow")] == [True, True, False]
   assert isinstance(by_name["causal_padded"].mask, attn.SegmentMask) and by_name["causal_padded"].mask.causal
   assert by_name["grouped_query_causal"].k.shape[2] == 2 and by_name["cross"].k.shape[1] == 16
   query, content = by_name["two_stream_query"].mask, by_name["two_stream_content"].mask

@@ -196,7 +196,9 @@ def _transferred(inst: Instruction) -> int:
 
 def kernels(text: str) -> list[Kernel]:
   """The kernels of an optimized HLO module with their traffic; a while loop's body counts once
-  per known trip (its condition is not counted)."""
+  per known trip (its condition is not counted); of a conditional's branches, the one a
+  `lax.cond` takes when its predicate holds (the last of an indexed conditional's: a cond's true
+  branch), which in tfx is the path for data that fits (cuDNN's packed layout)."""
   computations, entry = parse_module(text)
   found: list[Kernel] = []
 
@@ -205,10 +207,13 @@ def kernels(text: str) -> list[Kernel]:
       if inst.op == "while":
         trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attributes)
         walk(_attribute(inst, "body"), times * (int(trips.group(1)) if trips else 1))
-      elif inst.op in ("call", "conditional"):
-        for called in re.findall(r"(?:to_apply=|branch_computations=\{|, )%([\w.\-]+)", inst.attributes):
-          if called in computations:
-            walk(called, times)
+      elif inst.op == "call" and _attribute(inst, "to_apply") in computations:
+        walk(_attribute(inst, "to_apply"), times)
+      elif inst.op == "conditional":  # one branch runs: count the one a `lax.cond` takes when true
+        branch = (re.search(r"true_computation=%([\w.\-]+)", inst.attributes)
+                  or re.search(r"branch_computations=\{(?:%[\w.\-]+, )*%([\w.\-]+)\}", inst.attributes))
+        if branch and branch.group(1) in computations:
+          walk(branch.group(1), times)
       elif (inst.op not in _NOT_KERNELS and not inst.op.endswith("-done")  # a -done ends its -start
             and _attribute(inst, "custom_call_target") not in _NO_TRAFFIC_CALLS):
         body = computations.get(_attribute(inst, "calls") or "") if inst.op == "fusion" else None

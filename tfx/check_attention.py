@@ -6,14 +6,15 @@
 The unit tests check the kernels on the CPU (XLA's attention, and the Pallas kernel in Pallas'
 interpreter); this is the same check for the device that trains: run it once on a GPU or TPU
 host before trusting a fused kernel there. For each mask a family builds (causal and
-bidirectional packed rows with padding, grouped-query heads, prefix LM, XLNet's two streams,
-cross attention, T5's relative bias beside a packed mask or beside rows given by their lengths,
-`ops.LengthMask`, XLNet's relative terms as a bias per row) and each `model.attention` value, it
-runs `tfx.ops.dot_product_attention` as a model does (so a kernel that cannot take a mask falls
-back exactly as in training) and compares the output and the q, k, v (and bias) gradients with
-`reference_attention` computed in float32 at the highest matmul precision from the same rounded
-inputs. It prints which kernel actually ran
-(`attention: ...` reasons included) and the largest error relative to the largest reference
+bidirectional packed rows with padding, grouped-query heads, the same rows as runs for cuDNN's
+packed layout (`model.packed_runs`: a batch that fits it and one that falls back to the mask),
+prefix LM, XLNet's two streams, cross attention, T5's relative bias beside a packed mask or
+beside rows given by their lengths, `ops.LengthMask`, XLNet's relative terms as a bias per row)
+and each `model.attention` value, it runs `tfx.ops.dot_product_attention` as a model does (so a
+kernel that cannot take a mask falls back exactly as in training) and compares the output and the
+q, k, v (and bias) gradients with `reference_attention` computed in float32 at the highest matmul
+precision from the same rounded inputs. It prints which kernel actually ran (`attention: ...`
+reasons included) and the largest error relative to the largest reference
 value, and fails (exit status 1) where one is over the dtype's tolerance. Query rows with no
 allowed key (padding, the first token of a permutation's query stream) must come out as zeros.
 """
@@ -81,6 +82,8 @@ def make_cases(*, length: int = 128, heads: int = 4, head_dim: int = 64, batch: 
       bias = jnp.asarray(rng.normal(size=(rows, h, t, keys)), bias_dtype)
     return Case(name, q, k, v, mask, jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32), bias)
 
+  runs = lambda ids, causal, at_most: ops.self_attention_mask(ids, causal=causal, implementation="auto",
+                                                              packed_runs=at_most)
   packed, _ = _packed(rng, b, t, documents=3, padding=0)
   padded, positions = _packed(rng, b, t, documents=2, padding=t // 4)
   # XLNet: a random factorisation order per row; the content stream sees the tokens at or before
@@ -97,6 +100,12 @@ def make_cases(*, length: int = 128, heads: int = 4, head_dim: int = 64, batch: 
       case("causal_padded", ops.SegmentMask(padded, causal=True)),
       case("bidirectional_padded", ops.SegmentMask(padded)),
       case("grouped_query_causal", ops.SegmentMask(packed, causal=True), kv_heads=h // 2),
+      # cuDNN's packed layout (`model.packed_runs`): rows of at most 4 runs go as runs, and a batch
+      # with a row of 3 runs against a layout of 2 falls back to the mask
+      case("causal_packed_runs", runs(packed, causal=True, at_most=4)),
+      case("bidirectional_padded_runs", runs(padded, causal=False, at_most=4)),
+      case("grouped_query_causal_runs", runs(padded, causal=True, at_most=4), kv_heads=h // 2),
+      case("causal_packed_runs_overflow", runs(packed, causal=True, at_most=2)),
       case("prefix_lm", ops.prefix_lm_mask(padded, positions, jnp.full((b, 1), t // 8))),
       case("two_stream_content", same & (rank[:, None, None, :] <= rank[:, None, :, None])),
       case("two_stream_query", same & (rank[:, None, None, :] < rank[:, None, :, None])),

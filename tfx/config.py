@@ -357,6 +357,9 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int, process_cou
       problems.append(f"model.{key}={m[key]} must be positive")
   if m.get("loss_chunk", 0) < 0:
     problems.append(f"model.loss_chunk={m.loss_chunk} must be >= 0 (tokens per chunk of the fused head + loss; 0 = off)")
+  if m.get("packed_runs", 0) < 0:
+    problems.append(f"model.packed_runs={m.packed_runs} must be >= 0 (runs a packed row may have for cuDNN's packed "
+                    "layout; 0 = the mask)")
   if m.get("scan_unroll", 1) < 0:
     problems.append(f"model.scan_unroll={m.scan_unroll} must be >= 0 (layers per scanned iteration; 0 = all)")
   head_dim = m.get("head_dim", 0)

@@ -31,7 +31,8 @@ class Decoder(Family):
     embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=cfg.compute_dtype, name="token_embed")
     x = self.embed_inputs(embed, tokens, positions, train=train)  # [b, t, e]
     if mask is None and not decode:
-      mask = ops.self_attention_mask(segment_ids, causal=True, implementation=cfg.attention)  # ids (+ [b, 1, t, t])
+      mask = ops.self_attention_mask(segment_ids, causal=True, implementation=cfg.attention,
+                                     packed_runs=cfg.packed_runs)  # ids (+ [b, 1, t, t])
     stack = Stack(cfg, cfg.num_layers, deterministic=not train, decode=decode, name="decoder")
     x = stack(x, mask, positions, segment_ids, rows=rows)  # [b, t, e], or [b, n, e] at `rows`
     if cfg.norm == "pre":

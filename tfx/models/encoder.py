@@ -73,7 +73,8 @@ class Encoder(Family):
   def __call__(self, tokens, segment_ids, positions, *, token_types=None, train: bool = False, mask=None,
                return_hidden: bool = False, return_embeddings: bool = False, rows=None):
     if mask is None:
-      mask = ops.self_attention_mask(segment_ids, causal=False, implementation=self.cfg.attention)  # ids (+ [b, 1, t, t])
+      mask = ops.self_attention_mask(segment_ids, causal=False, implementation=self.cfg.attention,
+                                     packed_runs=self.cfg.packed_runs)  # ids (+ [b, 1, t, t])
     return self._encode(tokens, positions, mask, segment_ids, token_types=token_types, train=train,
                         return_hidden=return_hidden, return_embeddings=return_embeddings, rows=rows)
 

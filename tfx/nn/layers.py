@@ -59,6 +59,7 @@ class ModelConfig:
   scan_unroll: int = 1  # layers per iteration of the scanned loop (0 = all: unrolled, parameters still stacked)
   remat: str = "none"
   attention: str = "auto"
+  packed_runs: int = 0  # cuDNN's packed layout for packed rows of at most this many runs of one id (0 = the mask)
   loss_chunk: int = 0  # tokens per row per chunk of the fused output projection + loss (0 = logits materialised)
   init_std: float = 0.02
   norm_eps: float = 1e-6

@@ -73,9 +73,10 @@ class Generator(nn.Module):
     if e != cfg.d_model:
       x = DenseGeneral((e,), (cfg.d_model,), ("embed", "mlp"), init_std=cfg.init_std, dtype=cfg.compute_dtype,
                        name="embed_project")(x)  # [b, t, g]
+    mask = ops.self_attention_mask(segment_ids, causal=False, implementation=cfg.attention,
+                                   packed_runs=cfg.packed_runs)
     x = Stack(cfg, cfg.num_layers, deterministic=not train, name="encoder")(
-        x, ops.self_attention_mask(segment_ids, causal=False, implementation=cfg.attention), positions, segment_ids,
-        None, rows=rows)  # [b, t|n, g]
+        x, mask, positions, segment_ids, None, rows=rows)  # [b, t|n, g]
     if cfg.norm == "pre":
       x = make_norm(cfg, "final_norm")(x)
     act = activation("gelu" if cfg.mlp in GATED else cfg.mlp)

@@ -11,6 +11,7 @@ from tfx.ops.losses import HeadWeights, TokenTargets, linear_cross_entropy, weig
 from tfx.ops.masks import (
     LengthMask,
     SegmentMask,
+    SegmentRuns,
     assert_rows_attend,
     causal_mask,
     decoder_mask,
@@ -21,6 +22,7 @@ from tfx.ops.masks import (
     rows_attend,
     rows_mask,
     segment_mask,
+    segment_runs,
     self_attention_mask,
 )
 from tfx.ops.norms import layer_norm, rms_norm

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from tfx.ops import flash, splash, target
-from tfx.ops.masks import SEGMENT_ID_KERNELS, LengthMask, SegmentMask, dense_mask, rows_attend
+from tfx.ops.masks import SEGMENT_ID_KERNELS, LengthMask, SegmentMask, SegmentRuns, dense_mask, rows_attend
 
 Implementation = Literal["auto", "xla", "cudnn", "pallas", "splash", "reference"]
 # The kernels that read a packed row's segment ids (`SegmentMask`) instead of a dense mask:
@@ -370,28 +370,30 @@ def even_lengths(q, k, v, mask, bias):
   if isinstance(mask, SegmentMask):  # self-attention: t == s
     ids = jnp.pad(mask.segment_ids, ((0, 0), (0, pt)))  # [b, t + pt], the new position segment 0
     array = None if mask.array is None else jnp.pad(mask.array, ((0, 0), (0, 0), (0, pt), (0, ps)))
-    return q, k, v, SegmentMask(ids, mask.causal, array), bias
+    return q, k, v, SegmentMask(ids, mask.causal, array), bias  # its runs left out: the mask
   if mask is None and ps:
     mask = jnp.ones((1, 1, t, s), bool)
   mask = None if mask is None else jnp.pad(mask, ((0, 0), (0, 0), (0, pt), (0, ps)))  # the new key: False
   return q, k, v, mask, bias
 
 
-def _cudnn_attention(q, k, v, mask, bias, scale: float, causal: bool) -> tuple[jax.Array | None, str | None]:
-  """(cuDNN's fused attention, None), or (None, why cuDNN refused). A `LengthMask` goes to cuDNN
-  as sequence lengths (its padding mask: a bias beside it is not widened to [b, h, t, s]); a
-  `SegmentMask` as its array with the padding queries attending the zeroed padding values
-  (`padding_attends_padding`); any other mask as the [b, 1|h, t, s] array with empty rows given
-  every key (`kernel_mask`). JAX folds an array mask into a bias. An odd length beside a mask or a
-  bias is padded to even (`even_lengths`)."""
+def _cudnn_attention(q, k, v, mask, bias, scale: float, causal: bool
+                     ) -> tuple[jax.Array | None, str | None, str | None]:
+  """(cuDNN's fused attention, None, how the mask went if not as usual), or (None, why cuDNN
+  refused, None). A `LengthMask` goes to cuDNN as sequence lengths (its padding mask: a bias
+  beside it is not widened to [b, h, t, s]); a `SegmentMask` as its array with the padding
+  queries attending the zeroed padding values (`padding_attends_padding`), or with its `runs` as
+  cuDNN's packed layout (`_cudnn_packed`); any other mask as the [b, 1|h, t, s] array with empty
+  rows given every key (`kernel_mask`). JAX folds an array mask into a bias. An odd length beside
+  a mask or a bias is padded to even (`even_lengths`)."""
   t, s = q.shape[1], k.shape[1]
   if (mask is not None or bias is not None) and (t % 2 or s % 2):
     # JAX's cuDNN wrapper checks this only when it builds the backward pass, after it has
     # accepted the forward call: were it not padded here, the train step would not trace.
     kept = mask if isinstance(mask, (LengthMask, SegmentMask)) else _dense(mask, t, s)
-    out, refused = _cudnn_attention(*even_lengths(q, k, v, kept, bias), scale, causal)
-    return (None if out is None else out[:, :t]), refused
-  kwargs = {}
+    out, refused, how = _cudnn_attention(*even_lengths(q, k, v, kept, bias), scale, causal)
+    return (None if out is None else out[:, :t]), refused, how
+  kwargs, packed_refused = {}, None
   if isinstance(mask, LengthMask):
     # At least one of each: a row without real tokens attends its first key instead of nothing
     # (its queries are zeroed by the guard). cuDNN leaves the gradients of the padding positions
@@ -403,6 +405,12 @@ def _cudnn_attention(q, k, v, mask, bias, scale: float, causal: bool) -> tuple[j
               "key_value_seq_lengths": jnp.maximum(mask.k_lengths, 1).astype(jnp.int32)}
   elif isinstance(mask, SegmentMask):  # its padding queries get their zeros from the kernel itself
     v, kwargs["mask"] = padding_attends_padding(v, mask)
+    if mask.runs is not None and bias is None and t == s:
+      try:
+        return _cudnn_packed(q, k, v, mask.runs, kwargs["mask"], scale, mask.causal), None, (
+            f"packed rows: at most {mask.runs.lengths.shape[1]} runs a row, else the mask")
+      except Exception as e:  # noqa: BLE001  (a JAX without the packed layout, a GPU before Hopper)
+        packed_refused = f"packed rows refused ({str(e).splitlines()[0][:100]}): the mask"
   elif mask is not None:
     kwargs["mask"] = kernel_mask(_dense(mask, t, s))
   # A mask alone (no bias of the model's) needs no gradient of the bias JAX folds it into.
@@ -412,9 +420,35 @@ def _cudnn_attention(q, k, v, mask, bias, scale: float, causal: bool) -> tuple[j
     # above the diagonal (with lengths, it is the causal half of cuDNN's PADDING_CAUSAL mask).
     with target.cudnn_without_bias_gradient() if no_bias_gradient else contextlib.nullcontext():
       return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=scale, is_causal=causal and t == s,
-                                          implementation="cudnn", **kwargs), None
+                                          implementation="cudnn", **kwargs), None, packed_refused
   except Exception as e:  # noqa: BLE001  (cuDNN refuses a shape / layout / version at trace time)
-    return None, str(e).splitlines()[0][:120]
+    return None, str(e).splitlines()[0][:120], None
+
+
+def _cudnn_packed(q, k, v, runs: SegmentRuns, mask: jax.Array, scale: float, causal: bool) -> jax.Array:
+  """Self-attention of packed rows [b, t, h, d] in cuDNN's packed layout: each run of one segment
+  id (`runs`, `SegmentRuns`) a sequence of its own, causal within it or not, so that the kernel
+  reads no mask and skips every key block outside a query's run (documents of 100 tokens in a
+  row of 1024 leave about a tenth of the blocks). A padding run attends itself, its values zeroed
+  (`padding_attends_padding`): its output is 0, as the mask's. A batch whose runs do not fit
+  (`runs.fits` false: more runs than the layout holds, or a document split over two runs)
+  attends with the [b, 1, t, t] `mask` instead (`lax.cond`: one of the two kernels runs). JAX's
+  private cuDNN module (its public `dot_product_attention` has no offsets); Hopper or later.
+  """
+  from jax._src.cudnn import fused_attention_stablehlo as fused  # noqa: PLC0415
+
+  mask_type = fused.MaskType.PADDING_CAUSAL if causal else fused.MaskType.PADDING
+
+  def packed(q, k, v):
+    return fused.dot_product_attention(q, k, v, q_seqlen=runs.lengths, kv_seqlen=runs.lengths,
+                                       q_offsets=runs.offsets, kv_offsets=runs.offsets, scale=scale,
+                                       mask_type=mask_type)
+
+  def masked(q, k, v):
+    with target.cudnn_without_bias_gradient():
+      return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal, implementation="cudnn")
+
+  return jax.lax.cond(runs.fits, packed, masked, q, k, v)
 
 
 def dot_product_attention(
@@ -463,9 +497,11 @@ def dot_product_attention(
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   out = None
   if impl == "cudnn":
-    out, refused = _cudnn_attention(q, k, v, mask, bias, float(scale), causal)
+    out, refused, how = _cudnn_attention(q, k, v, mask, bias, float(scale), causal)
     if refused is not None:
       impl, why = "xla", f"cuDNN refused: {refused}"
+    elif how:
+      why = f"{why}; {how}"
   log_choice(impl, why)
   dense = lambda: _dense(mask, q.shape[1], k.shape[1])  # [b|1, h|1, t, s] bool or None
   if out is None:

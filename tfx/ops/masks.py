@@ -67,7 +67,48 @@ def decoder_mask(segment_ids: jax.Array) -> jax.Array:
   return causal_mask(t) & segment_mask(segment_ids)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["segment_ids", "array"], meta_fields=["causal"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["lengths", "offsets", "fits"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class SegmentRuns:
+  """A packed row as at most m runs of one segment id each (documents, and padding runs too):
+  cuDNN's packed layout, in which each run is a sequence of its own (`segment_runs`).
+
+  lengths: [b, m] int32, each run's length, -1 after a row's last run.
+  offsets: [b, m + 1] int32, each run's first position, -1 after a row's last run.
+  fits: [] bool, every row has at most m runs and no document split over two runs (the ids of
+    its documents, read along the row, increase: tfx's packing numbers them so); where not, the
+    runs are not the mask and the batch attends with the mask instead.
+  """
+
+  lengths: jax.Array
+  offsets: jax.Array
+  fits: jax.Array
+
+
+def segment_runs(segment_ids: jax.Array, max_runs: int) -> SegmentRuns:
+  """The runs of equal ids of segment_ids [b, t] (0 = padding, a run like any other), at most
+  `max_runs` a row (`SegmentRuns`)."""
+  b, t = segment_ids.shape
+  starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)  # [b, t]
+  run = jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1  # [b, t]: the run each position is in
+  count = run[:, -1] + 1  # [b]
+  rows = jnp.arange(b)[:, None]
+  kept = jnp.arange(max_runs)[None, :] < count[:, None]  # [b, m]
+  lengths = jnp.zeros((b, max_runs), jnp.int32).at[rows, run].add(1, mode="drop")  # runs past m dropped
+  lengths = jnp.where(kept, lengths, -1)
+  slot = jnp.where(starts & (run < max_runs), run, max_runs + 1)  # [b, t]: out of range = dropped
+  offsets = jnp.full((b, max_runs + 1), -1, jnp.int32).at[rows, slot].set(
+      jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), mode="drop")
+  # A document's id greater than every id before it wherever one of its runs starts: no document
+  # has two runs (padding, id 0, may have several: its queries attend the zeroed padding values).
+  before = jnp.concatenate([jnp.zeros((b, 1), segment_ids.dtype), jax.lax.cummax(segment_ids, axis=1)[:, :-1]],
+                           axis=1)  # [b, t]: the largest id before each position
+  increasing = jnp.all(~starts | (segment_ids == 0) | (segment_ids > before))
+  return SegmentRuns(lengths, offsets, jnp.all(count <= max_runs) & increasing)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["segment_ids", "array", "runs"],
+                   meta_fields=["causal"])
 @dataclasses.dataclass(frozen=True)
 class SegmentMask:
   """A packed row's self-attention mask given by its segment ids [b, t] instead of [b, 1, t, t].
@@ -84,6 +125,7 @@ class SegmentMask:
   segment_ids: jax.Array  # [b, t] int
   causal: bool = False
   array: jax.Array | None = None  # [b, 1, t, t] bool, dense() built beforehand
+  runs: SegmentRuns | None = None  # for cuDNN's packed layout (`model.packed_runs`), built beforehand
 
   def dense(self) -> jax.Array:
     """[b, 1, t, t] bool."""
@@ -96,12 +138,17 @@ class SegmentMask:
     return dataclasses.replace(self, array=self.dense())
 
 
-def self_attention_mask(segment_ids: jax.Array, *, causal: bool, implementation: str) -> SegmentMask:
+def self_attention_mask(segment_ids: jax.Array, *, causal: bool, implementation: str,
+                        packed_runs: int = 0) -> SegmentMask:
   """The mask that every self-attention layer of a family shares: the ids alone for
   `model.attention=pallas` or `splash` (their kernels read them), with the [b, 1, t, t] array
-  built once per step for every other kernel (each layer reads it)."""
+  built once per step for every other kernel (each layer reads it), and with `packed_runs` > 0
+  the rows' runs of one id for cuDNN's packed layout too (`segment_runs`)."""
   mask = SegmentMask(segment_ids, causal)
-  return mask if implementation in SEGMENT_ID_KERNELS else mask.prebuilt()
+  if implementation in SEGMENT_ID_KERNELS:
+    return mask
+  runs = segment_runs(segment_ids, packed_runs) if packed_runs > 0 else None
+  return dataclasses.replace(mask.prebuilt(), runs=runs)
 
 
 def rows_attend(mask: jax.Array) -> jax.Array:

@@ -20,10 +20,12 @@ import jax
 # Backend name (jax.default_backend()) -> the name `Lowered` takes in `lowering_platforms`.
 LOWERING_PLATFORMS = {"gpu": "cuda", "tpu": "tpu", "cpu": "cpu"}
 # The cuDNN version JAX's cuDNN attention is told while lowering for a GPU on a machine without
-# cuDNN (its argument checks ask for one): 9.8, what jax 0.10's CUDA 12 wheels are built against.
-# The checks that depend on the GPU's compute capability see none, so they take the pre-Hopper
-# limits (head dim <= 128), the stricter ones.
+# cuDNN (its argument checks ask for one): 9.8, what jax 0.10's CUDA 12 wheels are built against;
+# and the GPU's compute capability: an H100's (9.0, what `tfx.bench_lower`'s topologies are), so
+# that Hopper's packed layout (`model.packed_runs`) lowers. tfx's own choice keeps head dims
+# <= 128 (`tfx.ops.attention.choose_implementation`) whatever JAX would allow on Hopper.
 CUDNN_ASSUMED = 90800
+CAPABILITY_ASSUMED = (9, 0)
 
 _TARGETS: list[str] = []
 
@@ -53,23 +55,28 @@ def lowering_for(platform: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _assumed_cudnn() -> Iterator[None]:
-  """JAX's `check_cudnn_version` answers `CUDNN_ASSUMED` when no cuDNN is installed here. It is
-  JAX's private module: if it moved, nothing is replaced and cuDNN attention is refused (the
-  refusal's reason says why), which the report shows."""
+  """JAX's `check_cudnn_version` answers `CUDNN_ASSUMED` when no cuDNN is installed here, and its
+  `check_compute_capability` compares with `CAPABILITY_ASSUMED` when no GPU is here. It is JAX's
+  private module: if it moved, nothing is replaced and cuDNN attention is refused (the refusal's
+  reason says why), which the report shows."""
   try:
     from jax._src.cudnn import fused_attention_stablehlo as fused  # noqa: PLC0415
   except ImportError:
     yield
     return
-  original = getattr(fused, "check_cudnn_version", None)
-  if original is None or getattr(fused, "cuda_versions", None) is not None:
-    yield  # cuDNN is installed (or the module changed): its own answer stands
-    return
-  fused.check_cudnn_version = lambda: CUDNN_ASSUMED
+  assumed = {}
+  if getattr(fused, "cuda_versions", None) is None:  # else cuDNN is installed: its own answer stands
+    assumed["check_cudnn_version"] = lambda: CUDNN_ASSUMED
+  if jax.default_backend() != "gpu":
+    assumed["check_compute_capability"] = lambda wanted: tuple(int(x) for x in wanted.split(".")) <= CAPABILITY_ASSUMED
+  originals = {name: getattr(fused, name) for name in assumed if hasattr(fused, name)}
+  for name in originals:
+    setattr(fused, name, assumed[name])
   try:
     yield
   finally:
-    fused.check_cudnn_version = original
+    for name, original in originals.items():
+      setattr(fused, name, original)
 
 
 @contextlib.contextmanager
