@@ -132,6 +132,20 @@ def test_synthetic_data_needs_no_tokenizer():
   assert {k: v.shape for k, v in b.items()} == {k: (3, 8) for k in ("tokens", "segment_ids", "positions")}
   assert b["tokens"].min() >= 7 and b["tokens"].max() < 412
   assert (b["segment_ids"] == 1).all() and (b["positions"][1] == np.arange(8)).all()
+  # --documents N: N packed documents a row, numbered along it, positions from 0 in each
+  b = bench.synthetic_batch(2, 10, 512, documents=3)
+  assert b["segment_ids"].tolist() == [[1, 1, 1, 1, 2, 2, 2, 3, 3, 3]] * 2
+  assert b["positions"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]] * 2
+  assert bench.synthetic_batch(1, 4, 512, documents=9)["segment_ids"].tolist() == [[1, 2, 3, 4]]
+
+
+@pytest.mark.parametrize("args, message", [(["--documents", "0"], "at least 1"),
+                                           (["--documents", "2", "--finetune", "3"], "not with --finetune"),
+                                           (["--documents", "2", "--lower", "gpu"], "same program")])
+def test_documents_needs_a_training_step_it_runs(args, message, capsys):
+  with pytest.raises(SystemExit):
+    bench.main(["--config", os.path.join(ROOT, "configs", "base.py"), *args])
+  assert message in capsys.readouterr().err
 
 
 def test_invalid_config_is_rejected_before_compiling():

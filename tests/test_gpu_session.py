@@ -23,8 +23,8 @@ sys.modules.update(dict.fromkeys(("grain", "datasets", "tensorboardX", "gcsfs"))
 '''
 # Every step but `peer`, which needs transformers 4.57.6 (not in tfx's environment: its own test
 # below runs it in benchmarks/.venv-peer where that exists).
-STEPS = ["env", "attention", "reductions", "suite", "t5_128", "t5_128u", "scanned", "kernels", "loss_chunk", "profile",
-         "bias", "xla_flags", "baseline", "finetune"]
+STEPS = ["env", "attention", "reductions", "suite", "t5_128", "t5_128u", "scanned", "kernels", "loss_chunk", "packed",
+         "profile", "bias", "xla_flags", "baseline", "finetune"]
 PEER_PYTHON = os.path.join(ROOT, "benchmarks", ".venv-peer", "bin", "python")
 
 
@@ -99,6 +99,11 @@ def test_session_runs_every_step_and_writes_its_results(tmp_path):
   kernels = json.loads((out / "kernels.json").read_text())
   assert [r["overrides"] for r in kernels["runs"]] == [[f"model.attention={k}"] for k in ("pallas", "xla")]
   assert all(len(r["models"]) == 1 and r["compile_layers"] == {} for r in kernels["runs"])
+  for docs, runs in ((1, ("0", "1")), (4, ("0", "8"))):  # rows of one document, then of four
+    packed = json.loads((out / f"packed_{docs}.json").read_text())
+    assert [r["overrides"] for r in packed["runs"]] == [[f"model.packed_runs={n}"] for n in runs]
+    assert all([m["name"] for m in r["models"]] == ["gpt2_small"] for r in packed["runs"])
+    assert all(m["documents"] == docs for r in packed["runs"] for m in r["models"])
   chunks = json.loads((out / "loss_chunk.json").read_text())
   assert [r["overrides"] for r in chunks["runs"]] == [["model.loss_chunk=256"]]
   tuned = json.loads((out / "finetune.json").read_text())

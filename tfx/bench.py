@@ -11,7 +11,8 @@
 
 The model, objective, optimizer, sharded state and jitted train step are built exactly as
 `tfx.train` builds them; only the data is synthetic (random token rows of the objective's raw
-length, one document per row), so no corpus or tokenizer is needed and nothing is read.
+length, one document per row, or `--documents N` packed ones), so no corpus or tokenizer is needed
+and nothing is read.
 `--finetune K`: the fine-tuning step of `tfx.finetune` instead (the config's architecture, a
 K-class `Classifier` pooled as `finetune.pooling` says, its cross-entropy, the `finetune.*` batch,
 length and optimizer), on rows of real tokens filling `finetune.max_length` (default data.seq_len).
@@ -65,18 +66,24 @@ def synthetic_ids(vocab_size: int) -> SpecialIds:
                     sentinels=sentinels, special=tuple(range(7)) + sentinels)
 
 
-def synthetic_batch(batch_size: int, length: int, vocab_size: int, seed: int = 0) -> dict[str, np.ndarray]:
-  """Random ordinary tokens, one document per row: tokens, segment_ids (1), positions (arange).
+def synthetic_batch(batch_size: int, length: int, vocab_size: int, seed: int = 0, documents: int = 1
+                    ) -> dict[str, np.ndarray]:
+  """Random ordinary tokens, `documents` packed documents of (nearly) equal length per row:
+  tokens, segment_ids (1, 2, ... along a row), positions (counting from 0 in each document).
 
   Returns:
     dict of [batch_size, length] int32 arrays.
   """
   rng = np.random.default_rng(seed)
   low, high = (7, vocab_size - NUM_SENTINELS) if vocab_size > 7 + NUM_SENTINELS else (0, vocab_size)
+  column = np.arange(length)
+  document = column * min(documents, length) // length  # [t]: 0, 0, ..., 1, 1, ...
+  first = np.searchsorted(document, document)  # [t]: the column each position's document starts at
+  row = lambda x: np.broadcast_to(x.astype(np.int32), (batch_size, length)).copy()
   return {
       "tokens": rng.integers(low, high, (batch_size, length), dtype=np.int32),
-      "segment_ids": np.ones((batch_size, length), np.int32),
-      "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (batch_size, length)).copy(),
+      "segment_ids": row(document + 1),
+      "positions": row(column - first),
   }
 
 
@@ -167,7 +174,7 @@ def build_finetune_experiment(config: ml_collections.ConfigDict, num_classes: in
 
 
 def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 2, extra=None,
-              profile: str | None = None, finetune: int = 0) -> dict[str, Any]:
+              profile: str | None = None, finetune: int = 0, documents: int = 1) -> dict[str, Any]:
   """Builds the train step of `config` as training does and times it on synthetic data.
 
   Args:
@@ -180,6 +187,7 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
       which writes its trace there (plugins/profile/<time>/<host>.xplane.pb; TensorBoard's
       profiler or `jax.profiler.ProfileData` reads it).
     finetune: the number of classes of a fine-tuning step to time instead (0: the training step).
+    documents: packed documents per synthetic row (`synthetic_batch`; not for a fine-tuning step).
   Returns:
     a dict of plain numbers and strings (see the module docstring); `mfu` is None on devices
     of unknown peak (CPU), `peak_memory_bytes` None where the backend does not report it.
@@ -206,7 +214,7 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
   local_rows = batch_size // jax.process_count()
   seed = config.train.seed + jax.process_index()
   host = (classification_batch(local_rows, row_length, model_cfg.vocab_size, finetune, seed=seed) if finetune
-          else synthetic_batch(local_rows, row_length, model_cfg.vocab_size, seed=seed))
+          else synthetic_batch(local_rows, row_length, model_cfg.vocab_size, seed=seed, documents=documents))
   batch = parallel.global_batch(host, exp.mesh)
 
   with compile_timer() as compiled, ops.recorded_choices() as chosen, parallel.context(exp.mesh), \
@@ -257,6 +265,7 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
       "batch_size": batch_size,
       "seq_len": seq_len,
       "row_length": row_length,
+      "documents": 1 if finetune else documents,  # packed documents per synthetic row
       "device_kind": getattr(device, "device_kind", device.platform),
       "platform": device.platform,
       "device_count": jax.device_count(),
@@ -330,11 +339,11 @@ def swept_configs(config_path: str, overrides: list[str], key: str, values: list
 
 
 def sweep(config_path: str, overrides: list[str], key: str, values: list[str], *, steps: int, warmup: int,
-          finetune: int = 0) -> list[dict[str, Any]]:
+          finetune: int = 0, documents: int = 1) -> list[dict[str, Any]]:
   """`benchmark` once per value of one config field (e.g. model.remat), the rest unchanged."""
   configs = swept_configs(config_path, overrides, key, values)
-  return [dict(benchmark(config, steps=steps, warmup=warmup, finetune=finetune), sweep_key=key, sweep_value=value)
-          for config, value in zip(configs, values)]
+  return [dict(benchmark(config, steps=steps, warmup=warmup, finetune=finetune, documents=documents),
+               sweep_key=key, sweep_value=value) for config, value in zip(configs, values)]
 
 
 def format_sweep(results: list[dict[str, Any]]) -> str:
@@ -367,6 +376,8 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--finetune", type=int, default=0, metavar="CLASSES",
                       help="time tfx.finetune's step (a classifier with this many classes; finetune.* settings) "
                            "instead of the training step")
+  parser.add_argument("--documents", type=int, default=1,
+                      help="packed documents of equal length in each synthetic row (default 1; training steps only)")
   parser.add_argument("--steps", type=int, default=10, help="timed steps")
   parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the compiling call")
   parser.add_argument("--json", default=None, help="also write the results as JSON to this path (local or gs://)")
@@ -391,6 +402,11 @@ def main(argv: list[str] | None = None) -> None:
                    f"--lower {topology_platform(args.topology)}")
   if args.finetune and (args.suite or args.lower):
     parser.error("--finetune times one config's fine-tuning step: not with --suite or --lower")
+  if args.documents < 1:
+    parser.error(f"--documents must be at least 1 (got {args.documents})")
+  if args.documents > 1 and (args.finetune or args.lower):
+    parser.error("--documents packs the synthetic rows a training step runs on: not with --finetune or --lower "
+                 "(a lowered step is the same program for any rows)")
   parallel.initialize_distributed()
   if args.suite:
     suite_main(args, overrides)
@@ -424,9 +440,10 @@ def main(argv: list[str] | None = None) -> None:
       sys.exit(1 if any(r["error"] for r in lowered) else 0)
     if args.sweep:
       result = sweep(args.config, overrides, key.removeprefix("config."), values.split(","), steps=args.steps,
-                     warmup=args.warmup, finetune=args.finetune)
+                     warmup=args.warmup, finetune=args.finetune, documents=args.documents)
     else:
-      result = benchmark(config, steps=args.steps, warmup=args.warmup, profile=args.profile, finetune=args.finetune)
+      result = benchmark(config, steps=args.steps, warmup=args.warmup, profile=args.profile, finetune=args.finetune,
+                         documents=args.documents)
   except UserError as e:
     sys.exit(f"tfx.bench: {e}")
   report(format_sweep(result) if args.sweep else format_table(result), result, args.json)
@@ -491,7 +508,7 @@ def suite_main(args, overrides: list[str]) -> None:
       sys.exit(1 if any(r["error"] for r in lowered) else 0)
     runs = [bench_suite.run_suite(root, tiny=args.tiny, steps=args.steps, warmup=args.warmup,
                                   batch_per_device=args.batch, only=names, overrides=setting,
-                                  depth=not args.skip_depth, profile=args.profile)
+                                  depth=not args.skip_depth, profile=args.profile, documents=args.documents)
             for setting in settings]
     out = runs[0] if not args.sweep else {"sweep": args.sweep, "runs": runs}
   except UserError as e:

@@ -201,12 +201,13 @@ def check_overrides(root: str, *, tiny: bool, overrides: tuple[str, ...], only: 
 
 def run_suite(root: str, *, tiny: bool, steps: int, warmup: int, batch_per_device: int | None = None,
               only: tuple[str, ...] = (), overrides: tuple[str, ...] = (), depth: bool = True,
-              profile: str | None = None) -> dict[str, Any]:
+              profile: str | None = None, documents: int = 1) -> dict[str, Any]:
   """Runs the suite with `overrides` (config fields without the --config. prefix) applied to every
   entry, after its own; returns {"overrides": [...], "models": [result per entry],
   "compile_layers": {...}} (GPT-2's compile time by depth, unless `depth` is False). Each model's
   result is also printed to stderr as soon as it is measured. `profile`: a folder for each model's
-  trace of three steps (`profile`/<model>, see `bench.benchmark`)."""
+  trace of three steps (`profile`/<model>, see `bench.benchmark`); `documents`: packed documents
+  per synthetic row."""
   from tfx import bench
 
   results = []
@@ -218,7 +219,7 @@ def run_suite(root: str, *, tiny: bool, steps: int, warmup: int, batch_per_devic
     result = bench.benchmark(config, steps=steps, warmup=warmup,
                              extra=lambda exp, state, batch, frozen: time_objective_part(
                                  exp, state, batch, frozen, steps=steps),
-                             profile=f"{profile}/{entry.name}" if profile else None)
+                             profile=f"{profile}/{entry.name}" if profile else None, documents=documents)
     result["name"] = entry.name
     result["transform_share"] = result["transform_ms"] / (1e3 * result["step_s"])
     results.append(result)

@@ -25,6 +25,10 @@
 #                cuDNN, the default on a GPU: same batch, same machine)
 #   loss_chunk   GPT-2-small with the output projection fused into the loss (256 tokens  100 s
 #                a chunk; the suite's row is without)
+#   packed       GPT-2-small with cuDNN's packed layout (model.packed_runs) against the     200 s
+#                mask: on the suite's rows of one document (runs 0 and 1,
+#                OUT/packed_1.json) and on rows of 4 packed documents (runs 0 and 8,
+#                OUT/packed_4.json; `tfx.bench --documents 4`)
 #   bias         cuDNN attention at T5's encoder shape with its bias and the padding as a  90 s
 #                mask (today), as sequence lengths, and unmasked; at GPT-2's, the packed
 #                causal mask with and without its bias gradient, and causal only: times and
@@ -55,9 +59,9 @@
 # first six steps took 336 s together and the profile 130 s; on an H100 (the same day, unrolled)
 # env 4 s, suite 342 s (the four models' compiles 13-43 s), baseline 135 s. A session's 15 minutes
 # of device time hold about two such calls (a machine's start counts too): `env attention suite`
-# (the check covers T5's lengths and XLNet's per-row bias, adopted 2026-11-27 without a device),
-# then `baseline t5_128 bias xla_flags` (t5_128u alone, if time is left). The limits are each step's
-# worst case.
+# (the check covers T5's lengths, XLNet's per-row bias and, since stop 58, cuDNN's packed layout),
+# then `baseline t5_128 packed bias` (xla_flags or t5_128u alone, if time is left). The limits are
+# each step's worst case.
 # Each step writes OUT/<step>.log and OUT/<step>.json; the last lines printed are
 # OUT/summary.txt, each step's exit status and seconds (124: over its limit).
 # TFX_GPU_ARCHIVE=FILE: after each step, OUT (less the traces) is also packed into FILE (.tgz), so that
@@ -69,8 +73,8 @@ set -u
 out=$1
 shift
 steps=("$@")
-all_steps=(env attention reductions suite t5_128 t5_128u scanned kernels loss_chunk profile bias xla_flags baseline
-           finetune peer)
+all_steps=(env attention reductions suite t5_128 t5_128u scanned kernels loss_chunk packed profile bias xla_flags
+           baseline finetune peer)
 [ ${#steps[@]} -gt 0 ] || steps=("${all_steps[@]}")
 for step in "${steps[@]}"; do
   [[ " ${all_steps[*]} " == *" $step "* ]] || { echo "unknown step $step (${all_steps[*]})" >&2; exit 2; }
@@ -160,6 +164,10 @@ print(\"ml_collections from\", ml_collections.__file__)'
                --sweep model.scan_unroll=1 --json "$out/scanned.json" ;;
     kernels) run kernels 150 "${bench[@]}" --only gpt2_small --skip-depth --sweep model.attention=pallas,xla \
                --json "$out/kernels.json" ;;
+    packed) run packed 200 bash -c 'for docs in 1 4; do
+                if [ "$docs" = 1 ]; then runs=0,1; else runs=0,8; fi
+                "$@" --documents "$docs" --sweep "model.packed_runs=$runs" --json "$0/packed_$docs.json" || exit
+              done' "$out" "${bench[@]}" --only gpt2_small --skip-depth ;;
     profile) run profile 300 "${bench[@]}" --skip-depth --steps 3 --warmup 1 --profile "$out/profile" \
                --json "$out/profile.json" ;;
     loss_chunk) run loss_chunk 100 "${bench[@]}" --only gpt2_small --skip-depth --sweep model.loss_chunk=256 \
