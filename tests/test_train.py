@@ -320,3 +320,24 @@ def test_learning_rate_metric_is_the_rate_the_update_applies():
     state = state if step == 1 else new  # step 1 skipped: its optimizer state is dropped
   assert rates == [float(schedule(0)), float(schedule(1)), float(schedule(1)), float(schedule(2))]
   assert float(schedule(1)) > 0 and len(set(rates)) == 3
+
+
+def test_a_run_says_how_many_batches_fit_the_packed_layout(tmp_path, shared_tokenizer, monkeypatch):
+  """With model.packed_runs, the first log says how many batches had rows of at most that many runs
+  of one segment id (cuDNN's packed layout on a GPU; the mask for the others): counted on the host
+  rows the loop feeds, the same count as `ops.runs_per_row`."""
+  from tfx import ops
+  from tfx.metrics import Progress
+
+  said, fed = [], []
+  monkeypatch.setattr(Progress, "note", lambda self, text: said.append(text))
+  real_add = train._PackedFit.add
+  monkeypatch.setattr(train._PackedFit, "add", lambda self, ids: fed.append(np.asarray(ids)) or real_add(self, ids))
+  train.run(quick(shared_tokenizer, "--config.model.packed_runs=2", "--config.train.steps=3",
+                  "--config.train.log_every=2"), str(tmp_path / "run"))
+  (line,) = [text for text in said if text.startswith("model.packed_runs=")]
+  most = [int(ops.runs_per_row(ids).max()) for ids in fed[:2]]  # the two batches before the first log
+  assert line == (f"model.packed_runs=2: {sum(m <= 2 for m in most)} of the first 2 batches fit cuDNN's packed "
+                  f"layout (rows of up to {max(most)} runs of one segment id seen); on a GPU the others attend "
+                  "with the mask")
+  assert ops.runs_per_row(np.asarray([[1, 1, 2, 0], [3, 3, 3, 3]])).tolist() == [3, 1]

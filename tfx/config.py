@@ -360,6 +360,9 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int, process_cou
   if m.get("packed_runs", 0) < 0:
     problems.append(f"model.packed_runs={m.packed_runs} must be >= 0 (runs a packed row may have for cuDNN's packed "
                     "layout; 0 = the mask)")
+  elif m.get("packed_runs", 0) and m.family in ("encoder_decoder", "xlnet"):
+    problems.append(f"model.packed_runs={m.packed_runs}: cuDNN's packed layout serves the self-attention of the "
+                    f"decoder and encoder families; the {m.family} family's masks do not take it, so set it to 0")
   if m.get("scan_unroll", 1) < 0:
     problems.append(f"model.scan_unroll={m.scan_unroll} must be >= 0 (layers per scanned iteration; 0 = all)")
   head_dim = m.get("head_dim", 0)

@@ -27,7 +27,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from tfx import checkpoint, config as config_lib, drift, flops, gcs, parallel
+from tfx import checkpoint, config as config_lib, drift, flops, gcs, ops, parallel
 from tfx.data import store
 from tfx.data.training import corpus_changes, training_data
 from tfx.errors import DataError, UserError, exit_with, quiet_background
@@ -272,8 +272,12 @@ def _loop(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress: 
   host: list[dict] = window
   last_time, last_step = time.time(), step
   eval_record = None
+  packed = _PackedFit(exp.model.cfg.packed_runs) if getattr(exp.model.cfg, "packed_runs", 0) else None
   while step < t.steps:
-    batch = parallel.global_batch(exp.pipeline.next_batch(), exp.mesh)
+    rows = exp.pipeline.next_batch()
+    if packed is not None:
+      packed.add(rows.get("segment_ids"))
+    batch = parallel.global_batch(rows, exp.mesh)
     state, metrics = train_step(state, batch, guard.poison(step + 1))
     step += 1
     pending.append(metrics)
@@ -301,6 +305,8 @@ def _loop(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress: 
       values["mfu"] = model_flops / sec_per_step / (peak * jax.device_count()) if peak and sec_per_step else None
       writer.write(step, "train", values)
       progress.train(step, values["loss"], values["tokens_per_sec"], sec_per_step, values["mfu"])
+      if packed is not None and not packed.said:
+        progress.note(packed.say())
       last_time = time.time()  # writing the record (the first opens the event files) is not training time
     eval_due = (t.eval_every and step % t.eval_every == 0) or step == t.steps
     if eval_due or save_due:  # the steps queued so far are training time: finish them before the pause
@@ -319,6 +325,28 @@ def _loop(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress: 
       progress.note(f"stopping at step {step} (checkpoint saved); run the same command to resume")
       break
   return {"step": step, "workdir": workdir, "state": state, "last_eval": eval_record, "experiment": exp}
+
+
+class _PackedFit:
+  """How many of the batches so far fit `model.packed_runs` (this host's rows: at most that many
+  runs of one segment id a row), said once, at the first log: the number to size it by."""
+
+  def __init__(self, max_runs: int):
+    self.max_runs, self.batches, self.fitting, self.most, self.said = max_runs, 0, 0, 0, False
+
+  def add(self, segment_ids) -> None:
+    if segment_ids is None:
+      return
+    runs = int(ops.runs_per_row(segment_ids).max())
+    self.batches += 1
+    self.fitting += runs <= self.max_runs
+    self.most = max(self.most, runs)
+
+  def say(self) -> str:
+    self.said = True
+    return (f"model.packed_runs={self.max_runs}: {self.fitting} of the first {self.batches} batches fit cuDNN's "
+            f"packed layout (rows of up to {self.most} runs of one segment id seen); on a GPU the others attend "
+            f"with the mask")
 
 
 def _train_values(host: list[dict], objective: Objective) -> dict[str, float]:

@@ -21,6 +21,7 @@ from tfx.ops.masks import (
     prefix_lm_mask,
     rows_attend,
     rows_mask,
+    runs_per_row,
     segment_mask,
     segment_runs,
     self_attention_mask,

@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # The kernels that read a `SegmentMask`'s ids themselves (tfx.ops.attention.SEGMENT_KERNELS).
 SEGMENT_ID_KERNELS = ("pallas", "splash")
@@ -136,6 +137,13 @@ class SegmentMask:
   def prebuilt(self) -> "SegmentMask":
     """The same mask with its array built now, once for all the layers that read it."""
     return dataclasses.replace(self, array=self.dense())
+
+
+def runs_per_row(segment_ids) -> np.ndarray:
+  """[b] int: the runs of one id in each row of host segment ids [b, t] (numpy), what
+  `segment_runs` lays out: to size `model.packed_runs` from the data."""
+  ids = np.asarray(segment_ids)
+  return 1 + np.count_nonzero(ids[:, 1:] != ids[:, :-1], axis=1)
 
 
 def self_attention_mask(segment_ids: jax.Array, *, causal: bool, implementation: str,
