@@ -93,6 +93,26 @@ def test_a_wrong_kernel_fails_the_check(cases, monkeypatch, capsys, tmp_path):
   assert [r["ok"] for r in written].count(False) >= 1 and not by_case["two_stream_query"]["empty_rows_zero"]
 
 
+def test_a_kernel_that_raises_fails_its_case_and_the_others_still_run(cases, monkeypatch):
+  # e.g. a kernel XLA cannot compile on the device at hand: the session still gets every other result
+  real = attn.dot_product_attention
+
+  def raising(q, k, v, *, mask, **kwargs):  # the runs that fit: the packed kernel's case
+    if getattr(mask, "runs", None) is not None and bool(mask.runs.fits):
+      raise RuntimeError("cuDNN graph could not be built\nmore detail")
+    return real(q, k, v, mask=mask, **kwargs)
+
+  monkeypatch.setattr(check_attention.ops, "dot_product_attention", raising)
+  picked = [c for c in cases if c.name in ("causal_packed", "causal_packed_runs", "causal_packed_runs_overflow")]
+  results = check_attention.run_checks(picked, ("xla",))
+  assert [(r["case"], r["ok"]) for r in results] == [("causal_packed", True), ("causal_packed_runs", False),
+                                                     ("causal_packed_runs_overflow", True)]
+  failed = results[1]
+  assert failed["error"] == "RuntimeError: cuDNN graph could not be built"
+  assert "FAIL (RuntimeError: cuDNN graph could not be built)" in check_attention.format_results(results)
+  json.dumps(results)
+
+
 def test_cli_refuses_bad_arguments():
   with pytest.raises(SystemExit, match="unknown --implementations flash"):
     check_attention.main(["--implementations", "flash"])

@@ -173,10 +173,20 @@ def check_case(case: Case, implementation: str, want: list[np.ndarray]) -> dict[
 
 
 def run_checks(cases: list[Case], implementations: tuple[str, ...] = IMPLEMENTATIONS) -> list[dict[str, Any]]:
+  """Every case with every implementation. A kernel that fails to trace, compile or run fails its
+  case (the error is reported) and the others still run: one broken kernel on a device hides
+  nothing else."""
   results = []
   for case in cases:
     want = reference(case)
-    results.extend(check_case(case, impl, want) for impl in implementations)
+    for impl in implementations:
+      try:
+        results.append(check_case(case, impl, want))
+      except Exception as e:  # noqa: BLE001  (reported as the case's failure)
+        results.append({"case": case.name, "implementation": impl, "kernel": "-",
+                        "dtype": jnp.dtype(case.q.dtype).name, "nonfinite": [], "empty_rows_zero": True,
+                        "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
+                        "ok": False})
   return results
 
 
@@ -185,7 +195,8 @@ def format_results(results: list[dict[str, Any]]) -> str:
   for r in results:
     rows.append((r["case"], r["implementation"], r["kernel"], *(f"{r[k]:.1e}" if k in r else "-" for k in OUTPUTS),
                  "ok" if r["ok"] else "FAIL" + (f" (non-finite {', '.join(r['nonfinite'])})" if r["nonfinite"] else "")
-                 + ("" if r["empty_rows_zero"] else " (a row with no key is not zero)")))
+                 + ("" if r["empty_rows_zero"] else " (a row with no key is not zero)")
+                 + (f" ({r['error']})" if r.get("error") else "")))
   widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
   lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
            for row in rows]
