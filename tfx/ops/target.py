@@ -88,9 +88,10 @@ def cudnn_without_bias_gradient() -> Iterator[None]:
   cuDNN's backward kernel write that bias's gradient too, a [b, 1, t, s] tensor nobody reads (and
   on a mesh that splits the heads, summed over their devices); 0.11.1 stopped it for a boolean
   mask (jax-ml/jax#39512). A mask has no gradient: without it the backward kernel reads the bias
-  and writes dq, dk and dv only. The choice is made when the call is traced (it is one of the primitive's
-  static arguments, forward and backward both), so only the call itself goes inside the block.
-  It is JAX's private module: if it moved, nothing is replaced and the gradient is computed.
+  and writes dq, dk and dv only. The choice is made when the call is traced (it is one of the
+  primitive's static arguments, forward and backward both), so only the call itself goes inside
+  the block. It is JAX's private module: if it moved, nothing is replaced and the gradient is
+  computed.
   """
   try:
     from jax._src.cudnn import fused_attention_stablehlo as fused  # noqa: PLC0415
