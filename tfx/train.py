@@ -275,7 +275,7 @@ def _loop(exp: Experiment, mngr, guard: Guard, writer: MetricsWriter, progress: 
   packed = _PackedFit(exp.model.cfg.packed_runs) if getattr(exp.model.cfg, "packed_runs", 0) else None
   while step < t.steps:
     rows = exp.pipeline.next_batch()
-    if packed is not None:
+    if packed is not None and not packed.said:  # counted until the first log says it, no longer
       packed.add(rows.get("segment_ids"))
     batch = parallel.global_batch(rows, exp.mesh)
     state, metrics = train_step(state, batch, guard.poison(step + 1))

@@ -405,34 +405,39 @@ def _cudnn_attention(q, k, v, mask, bias, scale: float, causal: bool
               "key_value_seq_lengths": jnp.maximum(mask.k_lengths, 1).astype(jnp.int32)}
   elif isinstance(mask, SegmentMask):  # its padding queries get their zeros from the kernel itself
     v, kwargs["mask"] = padding_attends_padding(v, mask)
-    if mask.runs is not None and bias is None and t == s:
-      try:
-        return _cudnn_packed(q, k, v, mask.runs, kwargs["mask"], scale, mask.causal), None, (
-            f"packed rows: at most {mask.runs.lengths.shape[1]} runs a row, else the mask")
-      except Exception as e:  # noqa: BLE001  (a JAX without the packed layout, a GPU before Hopper)
-        packed_refused = f"packed rows refused ({str(e).splitlines()[0][:100]}): the mask"
   elif mask is not None:
     kwargs["mask"] = kernel_mask(_dense(mask, t, s))
   # A mask alone (no bias of the model's) needs no gradient of the bias JAX folds it into.
   no_bias_gradient = bias is None and "mask" in kwargs
-  try:
+
+  def masked(q, k, v):
     # A mask stays exact for every row with a key; `is_causal` lets cuDNN skip the key blocks
     # above the diagonal (with lengths, it is the causal half of cuDNN's PADDING_CAUSAL mask).
     with target.cudnn_without_bias_gradient() if no_bias_gradient else contextlib.nullcontext():
       return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=scale, is_causal=causal and t == s,
-                                          implementation="cudnn", **kwargs), None, packed_refused
+                                          implementation="cudnn", **kwargs)
+
+  if isinstance(mask, SegmentMask) and mask.runs is not None and bias is None and t == s:
+    try:
+      return _cudnn_packed(q, k, v, mask.runs, masked, scale, mask.causal), None, (
+          f"packed rows: at most {mask.runs.lengths.shape[1]} runs a row, else the mask")
+    except Exception as e:  # noqa: BLE001  (a JAX without the packed layout, a GPU before Hopper)
+      packed_refused = f"packed rows refused ({str(e).splitlines()[0][:100]}): the mask"
+  try:
+    return masked(q, k, v), None, packed_refused
   except Exception as e:  # noqa: BLE001  (cuDNN refuses a shape / layout / version at trace time)
     return None, str(e).splitlines()[0][:120], None
 
 
-def _cudnn_packed(q, k, v, runs: SegmentRuns, mask: jax.Array, scale: float, causal: bool) -> jax.Array:
+def _cudnn_packed(q, k, v, runs: SegmentRuns, masked, scale: float, causal: bool) -> jax.Array:
   """Self-attention of packed rows [b, t, h, d] in cuDNN's packed layout: each run of one segment
   id (`runs`, `SegmentRuns`) a sequence of its own, causal within it or not, so that the kernel
   reads no mask and skips every key block outside a query's run (documents of 100 tokens in a
   row of 1024 leave about a tenth of the blocks). A padding run attends itself, its values zeroed
   (`padding_attends_padding`): its output is 0, as the mask's. A batch whose runs do not fit
   (`runs.fits` false: more runs than the layout holds, or a document split over two runs)
-  attends with the [b, 1, t, t] `mask` instead (`lax.cond`: one of the two kernels runs). JAX's
+  attends with the mask instead (`masked(q, k, v)`, cuDNN's call with the [b, 1, t, t] mask;
+  `lax.cond`: one of the two kernels runs). JAX's
   private cuDNN module (its public `dot_product_attention` has no offsets); Hopper or later.
   """
   from jax._src.cudnn import fused_attention_stablehlo as fused  # noqa: PLC0415
@@ -443,10 +448,6 @@ def _cudnn_packed(q, k, v, runs: SegmentRuns, mask: jax.Array, scale: float, cau
     return fused.dot_product_attention(q, k, v, q_seqlen=runs.lengths, kv_seqlen=runs.lengths,
                                        q_offsets=runs.offsets, kv_offsets=runs.offsets, scale=scale,
                                        mask_type=mask_type)
-
-  def masked(q, k, v):
-    with target.cudnn_without_bias_gradient():
-      return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal, implementation="cudnn")
 
   return jax.lax.cond(runs.fits, packed, masked, q, k, v)
 

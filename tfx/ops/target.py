@@ -59,24 +59,37 @@ def _assumed_cudnn() -> Iterator[None]:
   `check_compute_capability` compares with `CAPABILITY_ASSUMED` when no GPU is here. It is JAX's
   private module: if it moved, nothing is replaced and cuDNN attention is refused (the refusal's
   reason says why), which the report shows."""
-  try:
-    from jax._src.cudnn import fused_attention_stablehlo as fused  # noqa: PLC0415
-  except ImportError:
-    yield
-    return
+  fused = _cudnn_module()
   assumed = {}
-  if getattr(fused, "cuda_versions", None) is None:  # else cuDNN is installed: its own answer stands
+  if fused is not None and getattr(fused, "cuda_versions", None) is None:  # else cuDNN's own answer stands
     assumed["check_cudnn_version"] = lambda: CUDNN_ASSUMED
   if jax.default_backend() != "gpu":
     assumed["check_compute_capability"] = lambda wanted: tuple(int(x) for x in wanted.split(".")) <= CAPABILITY_ASSUMED
-  originals = {name: getattr(fused, name) for name in assumed if hasattr(fused, name)}
+  with _replaced(fused, assumed):
+    yield
+
+
+def _cudnn_module():
+  """JAX's private cuDNN attention module, or None if it moved."""
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as fused  # noqa: PLC0415
+  except ImportError:
+    return None
+  return fused
+
+
+@contextlib.contextmanager
+def _replaced(module, functions: dict) -> Iterator[None]:
+  """`module`'s functions of those names replaced inside the block (a name it lacks, or no
+  module: nothing replaced), the originals back after it, however it ends."""
+  originals = {name: getattr(module, name) for name in functions if hasattr(module, name)}
   for name in originals:
-    setattr(fused, name, assumed[name])
+    setattr(module, name, functions[name])
   try:
     yield
   finally:
     for name, original in originals.items():
-      setattr(fused, name, original)
+      setattr(module, name, original)
 
 
 @contextlib.contextmanager
@@ -93,20 +106,8 @@ def cudnn_without_bias_gradient() -> Iterator[None]:
   the block. It is JAX's private module: if it moved, nothing is replaced and the gradient is
   computed.
   """
-  try:
-    from jax._src.cudnn import fused_attention_stablehlo as fused  # noqa: PLC0415
-  except ImportError:
+  with _replaced(_cudnn_module(), {"should_export_dbias": lambda *_: False}):
     yield
-    return
-  original = getattr(fused, "should_export_dbias", None)
-  if original is None:
-    yield
-    return
-  fused.should_export_dbias = lambda *_: False
-  try:
-    yield
-  finally:
-    fused.should_export_dbias = original
 
 
 def one_pass_reductions() -> bool:
