@@ -97,7 +97,9 @@ def test_peer_bench_profile_traces_each_side_and_compares_kinds(tmp_path):
 def test_ab_step_traces_the_swap_for_b_and_restores_the_original(tmp_path, capsys):
   """benchmarks/hf_flax/ab_step.py: B's step is traced with the replacement, the module's own
   function is back afterwards, the same function gives the same loss; with `--override` only B's
-  config changes; a malformed or unknown swap, or nothing to compare, stops before any model is built."""
+  config changes, with `--compiler-option` only B's compile (an option XLA does not know fails there);
+  a malformed or unknown swap, a malformed option, or nothing to compare, stops before any model is
+  built."""
   import importlib.util
 
   from tfx.ops import attention
@@ -123,6 +125,14 @@ def test_ab_step_traces_the_swap_for_b_and_restores_the_original(tmp_path, capsy
   out = capsys.readouterr().out
   losses = [line.split("loss ")[1] for line in out.splitlines() if " loss " in line]
   assert len(losses) == 2 and losses[0] != losses[1] and not ab.bench_peer.EXTRA_OVERRIDES
+  # --compiler-option: B alone is compiled with it (an option XLA does not know fails B's compile)
+  assert [ab.compiler_option(text) for text in ("a=true", "b=False", "c=-3", "d=LIBRARY_FUSION_TYPE_REDUCE")] == [
+      ("a", True), ("b", False), ("c", -3), ("d", "LIBRARY_FUSION_TYPE_REDUCE")]
+  with pytest.raises(Exception, match="no_such_option"):
+    ab.run("gpt2", "small", 1, None, [], {"no_such_option": 1})
+  assert "gpt2/small A: compiled" in capsys.readouterr().out
+  with pytest.raises(SystemExit, match="expected KEY=VALUE"):
+    ab.compiler_option("no_value")
   with pytest.raises(SystemExit, match="nothing to compare"):
     ab.main(["--models", "gpt2"])
   for bad, message in (("tfx.ops.attention._grouped", "expected MODULE.ATTR"),

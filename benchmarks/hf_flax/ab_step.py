@@ -3,14 +3,19 @@
     python benchmarks/hf_flax/ab_step.py --models t5 --sizes medium --reps 15 \\
         --swap tfx.ops.attention._sum_to_bias=variants.py:old_sum
     python benchmarks/hf_flax/ab_step.py --models gpt2 --sizes medium --override=--config.model.loss_chunk=32
+    python benchmarks/hf_flax/ab_step.py --models gpt2 --sizes medium \\
+        --compiler-option xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_REDUCE
 
 Between processes this 2-core machine drifts by 5-10%, more than most single changes move a
 step; here both steps (A: the code and config as they are, B: with MODULE.ATTR replaced by the
 function ATTR2 of FILE while the step is traced, and/or built from the config with the
-`--override`s added) are compiled from the same initial parameters and batch, run interleaved, and
-the median of the per-step ratios B / A is printed with its interquartile range, with each side's
-loss after the first step (the same function should give the same loss). The models and sizes are
-the peer benchmark's (bench_peer.py's tfx side, its own venv: `make bench-peer` builds it).
+`--override`s added, and/or compiled with the XLA `--compiler-option`s) are compiled from the same
+initial parameters and batch, run interleaved, and the median of the per-step ratios B / A is
+printed with its interquartile range, with each side's loss after the first step (the same
+function should give the same loss). The models and sizes are the peer benchmark's (bench_peer.py's
+tfx side, its own venv: `make bench-peer` builds it). A compiler option is passed as XLA's compile
+option proto takes it (true/false, an integer, or an enum's name: the flags' '+'/'-' list syntax is
+refused there).
 """
 
 from __future__ import annotations
@@ -48,6 +53,17 @@ def load_swap(spec: str):
   return module, attr, getattr(variant, name)
 
 
+def compiler_option(text: str) -> tuple[str, bool | int | str]:
+  """'KEY=VALUE' -> (KEY, VALUE as XLA's option wants it: true/false a bool, digits an int, else the
+  string, e.g. an enum's name)."""
+  key, sep, value = text.partition("=")
+  if not (key and sep and value):
+    raise SystemExit(f"--compiler-option {text!r}: expected KEY=VALUE")
+  if value.lower() in ("true", "false"):
+    return key, value.lower() == "true"
+  return key, int(value) if value.lstrip("-").isdigit() else value
+
+
 def setups(model: str, size: str, overrides: list[str]) -> dict:
   """{side: bench_peer.tfx_setup(...)}: A the peer benchmark's config, B the same with `overrides`
   (the same experiment when there are none)."""
@@ -62,7 +78,7 @@ def setups(model: str, size: str, overrides: list[str]) -> dict:
   return {"A": a, "B": b}
 
 
-def run(model: str, size: str, reps: int, swap, overrides: list[str]) -> None:
+def run(model: str, size: str, reps: int, swap, overrides: list[str], options: dict | None = None) -> None:
   module, attr, replacement = swap or (None, None, None)
   sides = setups(model, size, overrides)
   original = None if module is None else getattr(module, attr)
@@ -75,7 +91,8 @@ def run(model: str, size: str, reps: int, swap, overrides: list[str]) -> None:
       with parallel.context(exp.mesh):
         state = new_state()
         start = time.perf_counter()
-        steps[side] = make_train_step(exp, shardings).jitted.lower(state, batch, None).compile()
+        lowered = make_train_step(exp, shardings).jitted.lower(state, batch, None)
+        steps[side] = lowered.compile(compiler_options=options if side == "B" else None)
         seconds = time.perf_counter() - start
         states[side], metrics = steps[side](state, batch, None)
     finally:
@@ -103,16 +120,21 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--swap", help="MODULE.ATTR=FILE.py:FUNCTION: B's replacement of MODULE.ATTR")
   parser.add_argument("--override", action="append", default=[],
                       help="a config override for B only, e.g. --override=--config.model.loss_chunk=32 (repeatable)")
+  parser.add_argument("--compiler-option", action="append", default=[], metavar="KEY=VALUE",
+                      help="an XLA option for B's compile only, e.g. --compiler-option xla_cpu_prefer_vector_width=512 "
+                           "(repeatable; per executable, so A is untouched)")
   args = parser.parse_args(argv)
-  if not args.swap and not args.override:
-    raise SystemExit("nothing to compare: give --swap MODULE.ATTR=FILE.py:FUNCTION and/or --override=--config.KEY=VALUE")
+  options = dict(compiler_option(option) for option in args.compiler_option) or None
+  if not args.swap and not args.override and not options:
+    raise SystemExit("nothing to compare: give --swap MODULE.ATTR=FILE.py:FUNCTION, --override=--config.KEY=VALUE "
+                     "and/or --compiler-option KEY=VALUE")
   swap = load_swap(args.swap) if args.swap else None
   for model in args.models.split(","):
     if model not in bench_peer.MODELS or model == "bert_cls":
       raise SystemExit(f"unknown model {model!r}: one of gpt2, bert, t5")
     for size in args.sizes.split(","):
       bench_peer.size_spec(size)  # refuses an unknown size
-      run(model, size, args.reps, swap, args.override)
+      run(model, size, args.reps, swap, args.override, options)
 
 
 if __name__ == "__main__":
