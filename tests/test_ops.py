@@ -482,6 +482,44 @@ def test_activation_backward_matches_float64(name, dtype):
   assert "custom_vjp_call" not in plain and "custom_vjp_call" in fused
 
 
+@pytest.mark.parametrize("name", ["geglu", "swiglu"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gated_activation_is_the_composition_with_the_pair_as_its_only_residual(name, dtype):
+  """tfx.ops.activations' gated products (act(gate) * up from the stacked pair [..., f, 2]): value
+  and gradient bit for bit those of the composition they replace on an accelerator (act's one-pass
+  VJP times up, autodiff of the product), the dtype kept; the pair is the only [..., f, 2] residual
+  and no [..., f] one is handed to the backward pass, which recomputes act(gate) behind an
+  optimization barrier (so XLA cannot keep the forward pass's act(gate) for it); the entry point
+  is jax.nn's autodiff on a CPU, the one-pass product traced for a GPU, and for a TPU the one-pass
+  act times up."""
+  from tfx.ops import activations, target
+  ours = getattr(activations, f"{name}_one_pass")
+  act = {"geglu": activations.gelu_one_pass, "swiglu": activations.silu_one_pass}[name]
+  composition = lambda pair: act(pair[..., 0]) * pair[..., 1]
+  rng = np.random.default_rng(11)
+  pair = jnp.asarray(rng.normal(size=(3, 5, 16, 2)) * 3, dtype)
+  cotangent = jnp.asarray(rng.normal(size=(3, 5, 16)), dtype)
+  results = {}
+  for key, fn in (("ours", ours), ("composition", composition)):
+    y, vjp = jax.vjp(fn, pair)
+    results[key] = (y, vjp(cotangent)[0])
+  for got, want in zip(results["ours"], results["composition"]):
+    assert got.dtype == want.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  residuals = [r.shape for r in jax.tree_util.tree_leaves(jax.vjp(ours, pair)[1]) if hasattr(r, "shape")]
+  assert pair.shape in residuals and pair.shape[:-1] not in residuals
+  backward = str(jax.make_jaxpr(lambda p, c: jax.vjp(ours, p)[1](c))(pair, cotangent))
+  assert "optimization_barrier" in backward
+  entry = getattr(activations, name)
+  traced = {}
+  for platform in ("cpu", "gpu", "tpu"):
+    with target.lowering_for(platform):  # fresh functions: a trace is cached per function
+      traced[platform] = str(jax.make_jaxpr(lambda p, c: jax.vjp(lambda q: entry(q), p)[1](c))(pair, cotangent))
+  assert "custom_vjp_call" not in traced["cpu"]
+  assert "optimization_barrier" in traced["gpu"]
+  assert "custom_vjp_call" in traced["tpu"] and "optimization_barrier" not in traced["tpu"]
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_attention_dropout_is_autodiff_through_the_dropped_softmax(kv_heads):
   """XLA's attention with attention dropout (`softmax_attention(..., keep=)`, the dropout inside its

@@ -319,6 +319,9 @@ _ACTIVATIONS = {
     "swiglu": activations.silu,
 }
 GATED = ("geglu", "swiglu")
+# A gated kind's act(gate) * up as one op on the fused projection's output (its backward pass
+# recomputes act(gate): `activations.geglu`).
+_GATED_PRODUCTS = {"geglu": activations.geglu, "swiglu": activations.swiglu}
 MLP_KINDS = tuple(_ACTIVATIONS)
 
 
@@ -327,7 +330,8 @@ def activation(kind: str):
   return _ACTIVATIONS[kind]
 
 
-def fused_projections(projections: list["DenseGeneral"], x: jax.Array, dtype) -> list[jax.Array]:
+def fused_projections(projections: list["DenseGeneral"], x: jax.Array, dtype,
+                      stacked: bool = False) -> list[jax.Array] | jax.Array:
   """x [b, t, e] through `DenseGeneral`s that share it (e -> [o, *rest] each) as one matmul.
 
   The kernels stay separate parameters; stacked on an axis right after their first output dim
@@ -335,7 +339,8 @@ def fused_projections(projections: list["DenseGeneral"], x: jax.Array, dtype) ->
   on the flattened output dim. One matmul reads x once, and in the backward pass the input gradient
   is one matmul over the n projections' output gradients together, instead of n matmuls whose
   products are then summed. Used for q, k and v of a self-attention, k and v of a cross-attention,
-  and a gated MLP's two input projections. Returns [b, t, o, *rest] each.
+  and a gated MLP's two input projections. Returns [b, t, o, *rest] each, or with `stacked` the
+  matmul's output [b, t, o, n, *rest] as it is.
   """
   weights = [p(None, weights_only=True) for p in projections]
   kernel = jnp.stack([w[0] for w in weights], axis=2)  # [e, o, n, *rest], float32
@@ -343,6 +348,8 @@ def fused_projections(projections: list["DenseGeneral"], x: jax.Array, dtype) ->
   y = flat_matmul(x.astype(dtype), kernel, 1)  # [b, t, o, n, *rest]
   if bias is not None:
     y = add_bias(y, bias)
+  if stacked:
+    return y
   at = (slice(None),) * x.ndim  # up to and including o
   return [y[at + (i,)] for i in range(len(projections))]
 
@@ -363,11 +370,11 @@ class Mlp(nn.Module):
     act = _ACTIVATIONS[cfg.mlp]
     if cfg.mlp in GATED:  # act(x W0) * (x W1)
       projections = [dense(cfg.d_ff, ("embed", "mlp"), name) for name in ("wi_0", "wi_1")]
-      if target.fused_gated_projections():
-        gate, up = fused_projections(projections, x, cfg.compute_dtype)  # one matmul: [b, t, f] each
+      if target.fused_gated_projections():  # one matmul: [b, t, f, 2], gate and up
+        h = _GATED_PRODUCTS[cfg.mlp](fused_projections(projections, x, cfg.compute_dtype, stacked=True))
       else:
         gate, up = (projection(x) for projection in projections)
-      h = act(gate) * up
+        h = act(gate) * up
     else:
       h = act(dense(cfg.d_ff, ("embed", "mlp"), "wi_0")(x))  # [b, t, f]
     h = constrain(h, ("act_batch", "act_length", "act_mlp"))
