@@ -227,7 +227,12 @@ class Stack(nn.Module):
 def rematted(module: type[nn.Module], cfg, *, in_scan: bool) -> type[nn.Module]:
   """`module` under `cfg.remat`'s policy (itself for 'none'). Outside a scanned loop remat's
   prevent_cse must be on, or XLA merges the recomputation with the forward pass and the layer keeps
-  everything; inside one the loop already keeps them apart (and prevent_cse would cost speed)."""
+  everything; inside one the loop already keeps them apart (and prevent_cse would cost speed). A
+  fully unrolled scan (`model.scan_unroll=0`, the accelerator suite's layout) keeps it off too,
+  knowingly: there XLA does merge, and keeps forward values it would otherwise recompute, which on
+  an H100 moves fewer bytes for more memory (prevent_cse on: GPT-2-small 99.7 -> 113.1 GB a step,
+  12.60 -> 9.35 GiB of temporaries; docs/performance/4-compile-only.md, stop 59). Where a kept value
+  costs more than recomputing it, the op says so itself (`tfx.ops.activations.geglu`)."""
   if cfg.remat == "none":
     return module
   return nn.remat(module, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not in_scan)
