@@ -460,14 +460,62 @@ def test_attention_projects_what_shares_an_input_in_one_matmul_with_the_same_res
   assert jaxpr.count("dot_general") == (6 if not fuse else 5 if cross else 4)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_tpu_trace_keeps_each_matmuls_dims_and_computes_the_same_function(dtype):
+  """`flat_matmul` traced for a TPU (`target.flattened_matmuls`) contracts the layer's own dims,
+  without the reshapes of the 2-D form a CPU or GPU gets: a DenseGeneral into several output dims
+  (a cross-attention's queries, [e] -> [h, d]), out of several (the attention's output, [h, d] ->
+  [e]), a plain [e] -> [f], and the fused q, k, v projection ([e] -> [h, 3, d]), with and without
+  biases. Output and every gradient agree with the CPU's trace (run here in float32, both plain
+  XLA), the kernels' gradients float32 in bf16 too."""
+  from tfx.nn.layers import DenseGeneral, fused_projections
+  from tfx.ops import target
+
+  rng = np.random.default_rng(21)
+  b, t, e, h, d, f = 2, 8, 32, 4, 8, 48
+  layers = {
+      "into heads": (DenseGeneral((e,), (h, d), ("embed", "heads", "kv"), dtype=dtype), (b, t, e)),
+      "out of heads": (DenseGeneral((h, d), (e,), ("heads", "kv", "embed"), use_bias=False, dtype=dtype), (b, t, h, d)),
+      "plain": (DenseGeneral((e,), (f,), ("embed", "mlp"), dtype=dtype), (b, t, e)),
+  }
+
+  class Fused(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      qkv = [DenseGeneral((e,), (h, d), ("embed", "heads", "kv"), dtype=dtype, name=n) for n in "qkv"]
+      return jnp.stack(fused_projections(qkv, x, dtype), axis=-1)  # [b, t, h, d, 3]
+
+  layers["fused"] = (Fused(), (b, t, e))
+  for name, (layer, shape) in layers.items():
+    x = jnp.asarray(rng.normal(size=shape), dtype)
+    params = nn.meta.unbox(layer.init(jax.random.key(0), x))["params"]
+    params = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
+    out_shape = jax.eval_shape(lambda x: layer.apply({"params": params}, x), x).shape
+    cotangent = jnp.asarray(rng.normal(size=out_shape), dtype)
+    loss = lambda x, p: jnp.sum((layer.apply({"params": p}, x) * cotangent).astype(jnp.float32))
+    step = jax.value_and_grad(loss, argnums=(0, 1))
+    results, reshapes = {}, {}
+    for platform in ("cpu", "tpu"):
+      with target.lowering_for(platform):
+        jaxpr = str(jax.make_jaxpr(lambda x: layer.apply({"params": params}, x))(x))
+        grads = jax.eval_shape(step, x, params)[1][1]
+        assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads)), (name, platform)
+        if dtype == "float32":  # XLA:CPU runs no bf16 x bf16 -> float32 product with several contracted dims
+          results[platform] = jax.jit(step)(x, params)
+      reshapes[platform] = jaxpr.count("reshape[")
+    assert reshapes["tpu"] == 0 and reshapes["cpu"] >= 2, (name, reshapes)
+    if results:
+      jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), results["tpu"], results["cpu"])
+
+
 @pytest.mark.parametrize("use_bias,mlp,remat", [(True, "swiglu", "none"), (False, "swiglu", "none"),
                                                 (False, "geglu", "dots_attention")])
 def test_gated_mlp_fused_off_a_cpu_is_the_same_function(use_bias, mlp, remat):
-  """A gated MLP's two input projections: traced for a GPU (`target.fused_gated_projections`) one
-  matmul over their stacked kernels, for a CPU two; the parameters are the same DenseGenerals, and
-  the output and every gradient agree (the GPU's trace run here: it is plain XLA), GEGLU and
-  SwiGLU, rematerialised or not (on a GPU the gated product is one op on the stacked pair:
-  `activations.geglu`)."""
+  """A gated MLP's two input projections: traced for a GPU or TPU (`target.fused_gated_projections`)
+  one matmul over their stacked kernels, for a CPU two; the parameters are the same DenseGenerals,
+  and the output and every gradient agree (the GPU's and TPU's traces run here: plain XLA), GEGLU
+  and SwiGLU, rematerialised or not (on a GPU the gated product is one op on the stacked pair:
+  `activations.geglu`; on a TPU no matmul is flattened: `target.flattened_matmuls`)."""
   import dataclasses
 
   from tfx.nn.blocks import rematted
@@ -485,15 +533,16 @@ def test_gated_mlp_fused_off_a_cpu_is_the_same_function(use_bias, mlp, remat):
   cotangent = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
   loss = lambda x, p: jnp.sum(mlp.apply({"params": p}, x) * cotangent)
   results, matmuls = {}, {}
-  for platform in ("cpu", "gpu"):
+  for platform in ("cpu", "gpu", "tpu"):
     with target.lowering_for(platform):
       results[platform] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, params)
       matmuls[platform] = str(jax.make_jaxpr(lambda x: mlp.apply({"params": params}, x))(x)).count("dot_general")
-  assert matmuls == {"cpu": 3, "gpu": 2}
+  assert matmuls == {"cpu": 3, "gpu": 2, "tpu": 2}
   # float32 rounding of sums over d_ff of products up to ~1e3 (the GPU's GELU derivative is also
   # written another way: `activations`), so the absolute tolerance follows each leaf's scale
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=max(1e-4, 1e-5 * float(np.abs(b).max()))),
-               results["gpu"], results["cpu"])
+  for platform in ("gpu", "tpu"):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=max(1e-4, 1e-5 * float(np.abs(b).max()))),
+                 results[platform], results["cpu"])
 
 
 FUSED_LOSS_CASES = {

@@ -106,28 +106,34 @@ def _init(std: float):
 
 
 def flat_matmul(x: jax.Array, kernel: jax.Array, n_in: int) -> jax.Array:
-  """x [..., *in] . kernel [*in, *out] -> [..., *out] in x's dtype, as one 2-D matmul [n, k] . [k, m].
+  """x [..., *in] . kernel [*in, *out] -> [..., *out] in x's dtype; on a CPU or GPU as one 2-D
+  matmul [n, k] . [k, m] (`target.flattened_matmuls`).
 
   The leading dims are flattened into one row dim (and the contracted ones into one): the
   kernel's gradient is then a single-contraction x2^T . dy2, which XLA:CPU runs as one matmul,
   where with the leading dims kept apart it transposes one operand into a copy first and runs a
   slower kernel on the result (T5's gated MLP: 13% of the step on the CPU peer benchmark). The
-  reshapes are layout no-ops; on a sharded batch they merge a sharded major dim with unsharded
-  minor ones, which GSPMD keeps sharded.
+  reshapes are layout no-ops there; on a sharded batch they merge a sharded major dim with
+  unsharded minor ones, which GSPMD keeps sharded. XLA:TPU tiles an array's two minor dims and
+  lays out each intermediate as suits its users, so a reshape is rarely free there: the product
+  keeps its dims.
 
   `kernel` is the parameter itself (float32 master weights): it is cast to x's dtype for the
   matmul, and its gradient is that matmul's float32 product (`project`).
   """
+  if not target.flattened_matmuls():
+    return project(x, kernel, False, n_in)
   lead, ins, outs = x.shape[: x.ndim - n_in], kernel.shape[:n_in], kernel.shape[n_in:]
   k, m = math.prod(ins), math.prod(outs)
   y = project(x.reshape(-1, k), kernel.reshape(k, m))  # [n, m]
   return y.reshape(lead + outs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def project(x: jax.Array, kernel: jax.Array, kernel_major: bool = False) -> jax.Array:
-  """x [..., k] . kernel [k, m] (or [m, k] with `kernel_major`) -> [..., m] in x's dtype, the kernel
-  cast to x's dtype; the kernel's gradient comes out of its matmul in the kernel's own dtype.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def project(x: jax.Array, kernel: jax.Array, kernel_major: bool = False, n_in: int = 1) -> jax.Array:
+  """x [..., *in] . kernel [*in, *out] (or [*out, *in] with `kernel_major`) -> [..., *out] in x's
+  dtype, contracting x's last `n_in` dims, the kernel cast to x's dtype; the kernel's gradient
+  comes out of its matmul in the kernel's own dtype.
 
   Autodiff would give the gradient of a bf16 matmul in bf16 and convert it to the float32 master
   weights' dtype afterwards: rounded to 8 bits once on one device (the matmul accumulates in
@@ -139,45 +145,59 @@ def project(x: jax.Array, kernel: jax.Array, kernel_major: bool = False) -> jax.
   same products summed in another kernel's order (`weight_gradient`). The kernel's gradient
   contracts all of x's leading dims at once, as autodiff of the same einsum does.
   """
-  return _project_fwd(x, kernel, kernel_major)[0]
+  return _project_fwd(x, kernel, kernel_major, n_in)[0]
 
 
-def _project_fwd(x, kernel, kernel_major):
-  dims = ((x.ndim - 1,), (1 if kernel_major else 0,))
+def _kernel_dims(kernel: jax.Array, kernel_major: bool, n_in: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """The kernel's (in, out) dims."""
+  n_out = kernel.ndim - n_in
+  dims = tuple(range(kernel.ndim))
+  return (dims[n_out:], dims[:n_out]) if kernel_major else (dims[:n_in], dims[n_in:])
+
+
+def _project_fwd(x, kernel, kernel_major, n_in):
+  ins, _ = _kernel_dims(kernel, kernel_major, n_in)
+  dims = (tuple(range(x.ndim - n_in, x.ndim)), ins)
   return jax.lax.dot_general(x, kernel.astype(x.dtype), (dims, ((), ()))), (x, kernel)
 
 
-def _project_bwd(kernel_major, residuals, g):
-  x, kernel = residuals  # x [..., k]; g [..., m]
+def _project_bwd(kernel_major, n_in, residuals, g):
+  x, kernel = residuals  # x [..., *in]; g [..., *out]
+  _, outs = _kernel_dims(kernel, kernel_major, n_in)
   w = kernel.astype(x.dtype)
-  d_x = jax.lax.dot_general(g, w, (((g.ndim - 1,), (0 if kernel_major else 1,)), ((), ())))  # [..., k]
-  return d_x, weight_gradient(x, g, kernel.dtype, kernel_major)
+  d_x = jax.lax.dot_general(g, w, ((tuple(range(g.ndim - len(outs), g.ndim)), outs), ((), ())))  # [..., *in]
+  return d_x, weight_gradient(x, g, kernel.dtype, kernel_major, n_in)
 
 
 project.defvjp(_project_fwd, _project_bwd)
 
 
-def weight_gradient(x: jax.Array, g: jax.Array, dtype: Dtype, kernel_major: bool = False) -> jax.Array:
-  """x [..., k], g [..., m] -> the product x^T . g over all the leading dims in `dtype`: [k, m], or
-  [m, k] with `kernel_major`.
+def weight_gradient(x: jax.Array, g: jax.Array, dtype: Dtype, kernel_major: bool = False,
+                    n_in: int = 1) -> jax.Array:
+  """x [..., *in], g [..., *out] (the same leading dims; `n_in` dims in) -> the product x^T . g
+  over all the leading dims in `dtype`: [*in, *out], or [*out, *in] with `kernel_major`.
 
-  Traced for a CPU (`target.row_major_weight_gradients`) the narrower operand is transposed into
-  a copy first and the matmul reads both row-major, which XLA:CPU runs in YNNPACK rather than
-  Eigen; the optimization barriers keep XLA from folding a transpose back into the matmul (its
-  transpose folding would, and a transposed output would be folded by swapping the operands). The
-  same sum of products, accumulated in the other kernel's order.
+  Traced for a CPU (`target.row_major_weight_gradients`) the operands are flattened to 2-D, the
+  narrower one is transposed into a copy first and the matmul reads both row-major, which XLA:CPU
+  runs in YNNPACK rather than Eigen; the optimization barriers keep XLA from folding a transpose
+  back into the matmul (its transpose folding would, and a transposed output would be folded by
+  swapping the operands). The same sum of products, accumulated in the other kernel's order.
   """
+  n_lead = x.ndim - n_in
+  ins, outs = x.shape[n_lead:], g.shape[n_lead:]
   if not target.row_major_weight_gradients():
-    lead = tuple(range(x.ndim - 1))
-    d_w = jax.lax.dot_general(g, x, ((lead, lead), ((), ())), preferred_element_type=dtype)  # [m, k]
-    return d_w if kernel_major else d_w.T
+    lead = tuple(range(n_lead))
+    d_w = jax.lax.dot_general(g, x, ((lead, lead), ((), ())), preferred_element_type=dtype)  # [*out, *in]
+    n_out = len(outs)
+    return d_w if kernel_major else d_w.transpose(tuple(range(n_out, d_w.ndim)) + tuple(range(n_out)))
   fixed = jax.lax.optimization_barrier
-  x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])  # [n, k], [n, m]
+  x2, g2 = x.reshape(-1, math.prod(ins)), g.reshape(-1, math.prod(outs))  # [n, k], [n, m]
   x_narrower = x2.shape[1] <= g2.shape[1]
   a, b = (x2, g2) if x_narrower else (g2, x2)  # the narrower one is copied transposed
   d_w = jax.lax.dot_general(fixed(a.T), b, (((1,), (0,)), ((), ())), preferred_element_type=dtype)
   # d_w: [k, m] when x was the narrower, else [m, k]
-  return d_w if x_narrower != kernel_major else fixed(d_w).T
+  d_w = d_w if x_narrower != kernel_major else fixed(d_w).T
+  return d_w.reshape(outs + ins if kernel_major else ins + outs)
 
 
 @jax.custom_vjp
