@@ -122,6 +122,21 @@ ENTRY %main (p0: bf16[12,8,1024]) -> bf16[12,8,1024] {
 """
 
 
+def test_an_xla_dumps_async_start_counts_as_the_slice_or_copy_it_wraps():
+  # a dump writes XLA:TPU's asynchronous slice and copy as generic async-start / async-done calling
+  # a computation with the slice or copy at its root; Compiled.as_text() as slice-start / copy-start
+  generic = HLO.replace(
+      "ENTRY %main", "%sliced (a: bf16[8,4096]) -> bf16[8,1024] {\n  %a = bf16[8,4096]{1,0} parameter(0)\n"
+      "  ROOT %s = bf16[8,1024]{1,0:T(8,128)(2,1)S(1)} slice(%a), slice={[0:8], [0:1024]}\n}\n\n"
+      "%copied (c: f32[1024]) -> f32[1024] {\n  %c = f32[1024]{0} parameter(0)\n"
+      "  ROOT %d = f32[1024]{0:T(1024)S(1)} copy(%c)\n}\n\nENTRY %main")
+  generic = generic.replace("slice-start(%wide), slice={[0:8], [0:1024]}", "async-start(%wide), calls=%sliced")
+  generic = generic.replace("copy-start(%ones)", "async-start(%ones), calls=%copied")
+  generic = generic.replace("slice-done(%ss)", "async-done(%ss)").replace("copy-done(%cs)", "async-done(%cs)")
+  assert "slice-start" not in generic and "copy-start" not in generic
+  assert bench_traffic.kernels(generic) == bench_traffic.kernels(HLO)
+
+
 def test_kernels_count_what_each_reads_and_writes_times_the_loop_trips():
   kernels = {k.name: k for k in bench_traffic.kernels(HLO)}
   # negate.8's attributes span three lines (as splash's kernel metadata does on a TPU): what follows
