@@ -67,12 +67,17 @@ def _d_silu(x):
   return s * (1.0 + x * (1.0 - s))
 
 
+def _in_float32(f: Callable, x: jax.Array) -> jax.Array:
+  """f(x) computed in float32 and rounded to x's dtype."""
+  return f(x.astype(jnp.float32)).astype(x.dtype)
+
+
 def _one_pass(f: Callable, df: Callable) -> Callable:
   """f as a function of x [...] (any float dtype) whose VJP keeps x and calls df(x) once."""
 
   @jax.custom_vjp
   def act(x):
-    return f(x.astype(jnp.float32)).astype(x.dtype)
+    return _in_float32(f, x)
 
   def fwd(x):
     return act(x), x
@@ -110,12 +115,9 @@ def _gated_one_pass(f: Callable, df: Callable) -> Callable:
   forward kernel no longer writes act(gate)).
   """
 
-  def act(gate):
-    return f(gate.astype(jnp.float32)).astype(gate.dtype)
-
   @jax.custom_vjp
   def gated(pair):
-    return act(pair[..., 0]) * pair[..., 1]
+    return _in_float32(f, pair[..., 0]) * pair[..., 1]
 
   def fwd(pair):
     return gated(pair), pair
@@ -124,7 +126,7 @@ def _gated_one_pass(f: Callable, df: Callable) -> Callable:
     pair = jax.lax.optimization_barrier(pair)
     gate, up = pair[..., 0], pair[..., 1]
     d_gate = ((dy * up).astype(jnp.float32) * df(gate.astype(jnp.float32))).astype(gate.dtype)
-    return (jnp.stack([d_gate, dy * act(gate)], axis=-1),)
+    return (jnp.stack([d_gate, dy * _in_float32(f, gate)], axis=-1),)
 
   gated.defvjp(fwd, bwd)
   return gated
