@@ -341,3 +341,35 @@ def _find_table(grads):
            if "token_embed" in jax.tree_util.keystr(path) and leaf.shape[0] == IDS.vocab_size]
   assert len(found) == 1, [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(grads)]
   return found[0]
+
+
+def test_the_gathered_heads_loss_keeps_bf16_logits():
+  """The gathered head computes the loss itself (`mlm_head(hidden, loss)`): in bf16 the loss and
+  metrics of the float32 logits it returns without `loss`, the gradients within bf16's rounding,
+  and no scatter of the targets' gradient into a float32 [b, slots, v] buffer."""
+  t = 48
+  model, params = real_encoder(t, "--config.model.dtype=bfloat16")
+  tokens, seg, pos = random_batch(np.random.default_rng(15), 4, t)
+  batch = {"tokens": jnp.asarray(tokens), "segment_ids": jnp.asarray(seg), "positions": jnp.asarray(pos)}
+  objective = MaskedLM(IDS, mask_rate=0.3, gather_predictions=True)
+  rng = jax.random.key(16)
+
+  def float32_logits_loss(p):  # the head's logits returned, the loss computed from them outside
+    inputs, targets, weights = objective.mask(batch, jax.random.split(rng)[0])
+    where = selected_positions(weights, objective.gather_slots(model, t))
+    hidden = model.apply({"params": p}, inputs, batch["segment_ids"], batch["positions"], return_hidden=True,
+                         rows=where)
+    logits = model.apply({"params": p}, hidden, method="mlm_head")
+    assert logits.dtype == jnp.float32
+    take = lambda a: jnp.take_along_axis(a, where, axis=1)
+    return ops.weighted_cross_entropy(logits, take(targets), take(weights))
+
+  ours = lambda p: objective.loss(model, p, batch, rng, train=False)
+  (loss, metrics), grads = jax.value_and_grad(ours, has_aux=True)(params)
+  (want, want_metrics), want_grads = jax.value_and_grad(float32_logits_loss, has_aux=True)(params)
+  assert float(loss) == float(want) and float(metrics["accuracy"]) == float(want_metrics["accuracy"])
+  for (path, a), w in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree_util.tree_leaves(want_grads)):
+    np.testing.assert_allclose(a, w, rtol=2e-2, atol=2e-3 * max(1.0, float(np.abs(w).max())),
+                               err_msg=jax.tree_util.keystr(path))
+  scatters = lambda f: jax.jit(jax.grad(lambda p: f(p)[0])).lower(params).as_text().count('"stablehlo.scatter"')
+  assert scatters(float32_logits_loss) == scatters(ours) + 1  # the targets' logits' gradient

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tfx import ops
 from tfx.nn import xlnet as xlnet_nn
 from tfx.objectives.base import SpecialIds
 from tfx.objectives.permutation_lm import (
@@ -63,14 +64,17 @@ class FakeXLNet:
     return h, g
 
   def apply(self, variables, tokens, token_types, content_mask, query_mask, target_mapping, mems, bi_sign, *,
-            train=False, rngs=None):
+            train=False, rngs=None, loss=None):
     del train, rngs, bi_sign
     assert mems is None and query_mask is not None and target_mapping is not None
     p = variables["params"]
     h = p["emb"][tokens] + p["type"][token_types]  # [b, t, d]
     _, g = jax.vmap(lambda e, c, q: self.streams(p, e, c, q))(h, content_mask, query_mask)  # [b, t, d]
     g = jnp.einsum("bnt,btd->bnd", target_mapping, g)
-    return g @ p["emb"].T, None  # [b, n, v]
+    logits = g @ p["emb"].T  # [b, n, v]
+    if loss is not None:  # as the family's head: the token loss and its metrics
+      return ops.weighted_cross_entropy(logits, loss.targets, loss.weights, z_loss=loss.z_loss), None
+    return logits, None
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tfx import ops
 from tfx.models.xlnet import XLNet
 from tfx.nn.layers import ModelConfig
 from tfx.nn import xlnet as X
@@ -555,3 +556,36 @@ def test_relative_attention_is_the_softmax_of_the_three_terms(dropout):
 
   for got, want in zip(run(fused), run(by_autodiff)):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_the_heads_loss_keeps_bf16_logits_and_gives_the_float32_logits_loss():
+  """With `loss` the model's head computes the token loss (what permutation LM passes): in bf16 the
+  same loss and metrics as the float32 logits it returns without, the same gradients within bf16's
+  rounding, and no scatter of the targets' gradient into a float32 [b, n, v] buffer (bf16 logits get the
+  loss's one-pass gradient; float32 ones that scatter and a kept exp)."""
+  cfg = _cfg(dtype="bfloat16", mem_len=0)
+  model, params, b, t, n = XLNet(cfg), _init(cfg), 2, 6, 3
+  inputs = dict(XLNet.init_inputs(b, t))
+  inputs["target_mapping"] = jax.nn.one_hot(jnp.asarray([[0, 2, 5], [1, 3, 4]]), t)  # [b, n, t]
+  rng = np.random.default_rng(5)
+  inputs["tokens"] = jnp.asarray(rng.integers(0, V, (b, t)), jnp.int32)
+  targets = ops.TokenTargets(jnp.asarray(rng.integers(0, V, (b, n)), jnp.int32), jnp.asarray([[1., 1., 0.], [1., 1., 1.]]),
+                             1e-4)
+
+  def head_loss(p):
+    return model.apply({"params": p}, **inputs, loss=targets)[0]
+
+  def logits_loss(p):
+    logits = model.apply({"params": p}, **inputs)[0]  # [b, n, v] float32
+    assert logits.dtype == jnp.float32
+    return ops.weighted_cross_entropy(logits, targets.targets, targets.weights, z_loss=targets.z_loss)
+
+  (ours, m_ours), g_ours = jax.value_and_grad(head_loss, has_aux=True)(params)
+  (want, m_want), g_want = jax.value_and_grad(logits_loss, has_aux=True)(params)
+  assert float(ours) == float(want) and float(m_ours["accuracy"]) == float(m_want["accuracy"])
+  for (path, a), w in zip(jax.tree_util.tree_leaves_with_path(g_ours), jax.tree_util.tree_leaves(g_want)):
+    np.testing.assert_allclose(a, w, rtol=2e-2, atol=2e-3 * max(1.0, float(np.abs(w).max())),
+                               err_msg=jax.tree_util.keystr(path))
+
+  scatters = lambda f: jax.jit(jax.grad(lambda p: f(p)[0])).lower(params).as_text().count('"stablehlo.scatter"')
+  assert scatters(head_loss) == 1 and scatters(logits_loss) == 2  # the embedding table's; + the targets' logits

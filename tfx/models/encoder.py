@@ -78,14 +78,16 @@ class Encoder(Family):
     return self._encode(tokens, positions, mask, segment_ids, token_types=token_types, train=train,
                         return_hidden=return_hidden, return_embeddings=return_embeddings, rows=rows)
 
-  def mlm_head(self, hidden):
+  def mlm_head(self, hidden, loss: ops.TokenTargets | None = None):
     """The MLM head alone on final hidden states (`return_hidden=True`'s output): [b, n, e] ->
-    logits [b, n, v] for any n, e.g. the masked positions gathered out of [b, t, e]. Same
-    parameters and computation as the head at the end of `__call__`."""
-    return self._encode(None, None, None, None, token_types=None, train=False, head_input=hidden)
+    logits [b, n, v] for any n, e.g. the masked positions gathered out of [b, t, e]; with `loss`
+    (the slots' `ops.TokenTargets`) the token loss and its metrics instead, computed by the head
+    (`Family.lm_head`: from logits in the compute dtype, or fused with the output projection).
+    Same parameters and computation as the head at the end of `__call__`."""
+    return self._encode(None, None, None, None, token_types=None, train=False, head_input=hidden, loss=loss)
 
   def two_stream(self, tokens, positions, content_mask, query_mask, target_mapping, *, token_types=None,
-                 train: bool = False):
+                 train: bool = False, loss: ops.TokenTargets | None = None):
     """XLNet's content and query streams with shared weights; the query stream's MLM logits.
 
     Args:
@@ -96,7 +98,8 @@ class Encoder(Family):
         position, or all zero for a padded slot.
 
     Returns:
-      [b, n, v] float32 logits of the query stream (the `__call__` MLM head).
+      [b, n, v] float32 logits of the query stream (the `__call__` MLM head); with `loss` (the
+      slots' `ops.TokenTargets`) the head's token loss and its metrics instead (`mlm_head`).
 
     The content stream is exactly `__call__`'s computation with mask = content_mask. The query
     stream lives in slot space: g⁰[m] = mask_emb in place of a token embedding, plus slot m's
@@ -113,12 +116,12 @@ class Encoder(Family):
     query = QueryStream(slot_mask(target_mapping, query_mask), slot_values(target_mapping, positions))
     slot_types = None if token_types is None else slot_values(target_mapping, token_types)  # [b, n]
     return self._encode(tokens, positions, content_mask[:, None], None, token_types=token_types, train=train,
-                        query=query, slot_types=slot_types)
+                        query=query, slot_types=slot_types, loss=loss)
 
   @nn.compact
   def _encode(self, tokens, positions, mask, segment_ids, *, token_types, train: bool, return_hidden: bool = False,
               return_embeddings: bool = False, query: QueryStream | None = None, slot_types=None,
-              head_input=None, rows=None):
+              head_input=None, rows=None, loss: ops.TokenTargets | None = None):
     """One stream (query None): [b, t] -> logits [b, t, v] or hidden [b, t, e]. Two streams:
     the query stream's logits [b, n, v]. mask: [b, 1|h, t, t] bool for the content stream.
     head_input [b, n, e]: skip the embeddings and the stack, only the MLM head on it."""
@@ -138,7 +141,7 @@ class Encoder(Family):
     h = DenseGeneral((cfg.d_model,), (cfg.d_model,), ("embed", "mlp"), use_bias=True, init_std=cfg.init_std,
                      dtype=cfg.compute_dtype, name="head_dense")(x)
     h = make_norm(cfg, "head_norm")(act(h))
-    return self.lm_head(embed, h, bias=True)
+    return self.lm_head(embed, h, bias=True, loss=loss)
 
   def _hidden(self, embed, mask_emb, tokens, positions, mask, segment_ids, *, token_types, train: bool,
               return_embeddings: bool, query: QueryStream | None, slot_types, rows=None):

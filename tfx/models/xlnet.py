@@ -25,6 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from tfx import ops
 from tfx.models.base import Family
 from tfx.nn.blocks import rematted, stacked_layers, with_layers_cut
 from tfx.nn.layers import Embed, broadcast_param, take_rows
@@ -49,7 +50,10 @@ class XLNet(Family):
     positions alone (its last layer computed there only).
   logits: the query stream's [b, n, v] with target_mapping, else the content stream's [b, t|n, v]
   (float32); with `return_hidden=True` the final hidden states [b, n|t, e] instead (for
-  classification heads). new_mems: [l, b, mem_len, e], or None when mem_len == 0.
+  classification heads); with `loss` (`ops.TokenTargets` of the slots or rows) the token loss
+  and its metrics instead, computed by the head (`Family.lm_head`: from logits in the compute
+  dtype, or fused with the output projection). new_mems: [l, b, mem_len, e], or None when
+  mem_len == 0.
   """
 
   INPUTS: ClassVar[tuple[str, ...]] = ("tokens", "token_types", "content_mask", "query_mask", "target_mapping")
@@ -81,7 +85,8 @@ class XLNet(Family):
 
   @nn.compact
   def __call__(self, tokens, token_types=None, content_mask=None, query_mask=None, target_mapping=None, mems=None,
-               bi_sign=None, *, train: bool = False, return_hidden: bool = False, rows=None):
+               bi_sign=None, *, train: bool = False, return_hidden: bool = False, rows=None,
+               loss: ops.TokenTargets | None = None):
     cfg = self.cfg
     mem_len = cfg.mem_len
     clamp_len = cfg.clamp_len
@@ -159,7 +164,7 @@ class XLNet(Family):
     out = drop(take_rows(out, rows) if rows is not None and not split else out)  # (initialising: all of h)
     if return_hidden:
       return out, new_mems  # [b, n|t, e]
-    logits = self.lm_head(embed, out, bias=True)  # [b, n|t, v]
+    logits = self.lm_head(embed, out, bias=True, loss=loss)  # [b, n|t, v], or (loss, metrics)
     return logits, new_mems
 
   def _scan(self, layer, length: int, in_axes: tuple, train: bool) -> nn.Module:

@@ -326,9 +326,10 @@ class MaskedLM(Objective):
   def slots_loss(self, model, params, hidden, targets, weights, where):
     """weighted_cross_entropy of the MLM head on final hidden states [b, n, e] that are those of
     positions `where` [b, n] (targets and weights: [b, t])."""
-    logits = model.apply({"params": params}, hidden, method="mlm_head")  # [b, n, v]
     take = lambda a: jnp.take_along_axis(a, where, axis=1)
-    return ops.weighted_cross_entropy(logits, take(targets), take(weights), z_loss=self.z_loss)
+    # the loss computed by the head: bf16 logits stay bf16 (one pass for their gradient)
+    return model.apply({"params": params}, hidden, self.token_targets(take(targets), take(weights)),
+                       method="mlm_head")  # (loss, metrics) over [b, n, v] logits
 
   def loss(self, model, params, batch, rng, *, train):
     slots = self.gather_slots(model, batch["tokens"].shape[1])

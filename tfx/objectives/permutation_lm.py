@@ -297,22 +297,24 @@ class PermutationLM(Objective):
     """(loss, metrics) of the model on prepared `features`; metrics["state"] = the new memory
     when `mems` [l, b, m, e] is given (memory columns are always visible). `bi_sign` [b] (+1 /
     -1 per row) flips the relative distances of reversed rows (xlnet family only)."""
-    logits, new_mems = self.logits_on_features(model, params, x, rng, train=train, mems=mems, bi_sign=bi_sign)
-    loss, metrics = ops.weighted_cross_entropy(logits, x["target_ids"], x["target_mask"], z_loss=self.z_loss)
+    slots = self.token_targets(x["target_ids"], x["target_mask"])  # the loss computed by the model's head
+    (loss, metrics), new_mems = self.logits_on_features(model, params, x, rng, train=train, mems=mems, bi_sign=bi_sign,
+                                                        loss=slots)
     if mems is not None:
       metrics = dict(metrics, state=new_mems.astype(mems.dtype))  # bf16 compute: the carried memory stays float32
     return loss, metrics
 
   def logits_on_features(self, model, params, x: dict[str, jax.Array], rng: jax.Array, *, train: bool, mems=None,
-                         bi_sign=None):
-    """(logits [b, n, v] of the prediction slots, new memory or None)."""
+                         bi_sign=None, loss: ops.TokenTargets | None = None):
+    """(logits [b, n, v] of the prediction slots, new memory or None); with `loss` (the slots'
+    `ops.TokenTargets`) the head's (loss, metrics) in place of the logits (`Family.lm_head`)."""
     content, query = x["content_mask"], x["query_mask"]
     if hasattr(model, "two_stream"):  # an ordinary family: absolute / rotary positions, no memory
       if mems is not None:
         raise ValueError("the two-stream encoder has no memory; set model.mem_len=0")
       logits = model.apply(
           {"params": params}, x["tokens"], x["positions"], content, query, x["target_mapping"],
-          token_types=x["token_types"], train=train, rngs={"dropout": rng}, method="two_stream")  # [b, n, v]
+          token_types=x["token_types"], train=train, rngs={"dropout": rng}, method="two_stream", loss=loss)
       new_mems = None
     else:
       if mems is not None:
@@ -321,7 +323,7 @@ class PermutationLM(Objective):
         query = jnp.concatenate([visible, query], axis=-1)
       logits, new_mems = model.apply(
           {"params": params}, x["tokens"], x["token_types"], content, query,
-          x["target_mapping"], mems, bi_sign, train=train, rngs={"dropout": rng})  # [b, n, v]
+          x["target_mapping"], mems, bi_sign, train=train, rngs={"dropout": rng}, loss=loss)  # [b, n, v]
     return logits, new_mems
 
   def predictions(self, model, params, batch, rng):
