@@ -116,3 +116,20 @@ def train_and_resume(config, tmp_path, stop_after: int = 2):
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(full["state"].params),
                jax.device_get(resumed["state"].params))
   return full, resumed, records
+
+
+def compare_with_float32_logits_loss(ours, reference, params) -> tuple[int, int]:
+  """`ours` and `reference` (params -> (loss, metrics)): the head's loss from bf16 logits and the
+  loss of the float32 logits the model returns without `loss=`. Asserts the same loss and accuracy
+  to the bit and every gradient within bf16's rounding; returns the number of scatters in each
+  one's lowered gradient (autodiff's float32 loss scatters the targets' logits' gradient)."""
+  import numpy as np
+
+  (loss, metrics), grads = jax.value_and_grad(ours, has_aux=True)(params)
+  (want, want_metrics), want_grads = jax.value_and_grad(reference, has_aux=True)(params)
+  assert float(loss) == float(want) and float(metrics["accuracy"]) == float(want_metrics["accuracy"])
+  for (path, a), w in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree_util.tree_leaves(want_grads)):
+    np.testing.assert_allclose(a, w, rtol=2e-2, atol=2e-3 * max(1.0, float(np.abs(w).max())),
+                               err_msg=jax.tree_util.keystr(path))
+  scatters = lambda f: jax.jit(jax.grad(lambda p: f(p)[0])).lower(params).as_text().count('"stablehlo.scatter"')
+  return scatters(ours), scatters(reference)

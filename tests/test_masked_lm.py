@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, tiny_config
+from tests.conftest import ROOT, compare_with_float32_logits_loss, tiny_config
 from tfx import ops
 from tfx.objectives.base import SpecialIds
 from tfx.objectives.masked_lm import (MaskedLM, cap_selection, mask_tokens, ordinary_ids, prediction_slots,
@@ -364,12 +364,6 @@ def test_the_gathered_heads_loss_keeps_bf16_logits():
     take = lambda a: jnp.take_along_axis(a, where, axis=1)
     return ops.weighted_cross_entropy(logits, take(targets), take(weights))
 
-  ours = lambda p: objective.loss(model, p, batch, rng, train=False)
-  (loss, metrics), grads = jax.value_and_grad(ours, has_aux=True)(params)
-  (want, want_metrics), want_grads = jax.value_and_grad(float32_logits_loss, has_aux=True)(params)
-  assert float(loss) == float(want) and float(metrics["accuracy"]) == float(want_metrics["accuracy"])
-  for (path, a), w in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree_util.tree_leaves(want_grads)):
-    np.testing.assert_allclose(a, w, rtol=2e-2, atol=2e-3 * max(1.0, float(np.abs(w).max())),
-                               err_msg=jax.tree_util.keystr(path))
-  scatters = lambda f: jax.jit(jax.grad(lambda p: f(p)[0])).lower(params).as_text().count('"stablehlo.scatter"')
-  assert scatters(float32_logits_loss) == scatters(ours) + 1  # the targets' logits' gradient
+  ours, reference = compare_with_float32_logits_loss(
+      lambda p: objective.loss(model, p, batch, rng, train=False), float32_logits_loss, params)
+  assert reference == ours + 1  # the targets' logits' gradient

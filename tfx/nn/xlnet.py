@@ -181,11 +181,13 @@ def positional_scores(q_r: jax.Array, k_r: jax.Array, block: int | None = None) 
 
 
 def _windows(table: jax.Array, start: jax.Array, width: int) -> jax.Array:
-  """table [..., p], start [...] (each dim 1 or the table's) -> [..., width]: a dynamic slice per row,
-  vmapped over the leading axes, which XLA compiles to one gather whose indices are the starts alone
-  (a dim where start is 1 is sliced whole, not indexed)."""
+  """table [..., p], start [...] (each dim 1 or the table's, missing leading dims as 1s, as numpy
+  broadcasts) -> [..., width]: a dynamic slice per row, vmapped over the leading axes, which XLA
+  compiles to one gather whose indices are the starts alone (a dim where start is 1 is sliced
+  whole, not indexed)."""
   if table.ndim == 1:
     return jax.lax.dynamic_slice_in_dim(table, start, width)
+  start = jnp.reshape(start, (1,) * (table.ndim - 1 - jnp.ndim(start)) + jnp.shape(start))
   if start.shape[0] == 1:
     return jax.vmap(lambda t: _windows(t, start[0], width))(table)
   return jax.vmap(lambda t, s: _windows(t, s, width))(table, start)
