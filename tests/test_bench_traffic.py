@@ -156,6 +156,8 @@ def test_kernels_count_what_each_reads_and_writes_times_the_loop_trips():
   assert kernels["copy.9"] == bench_traffic.Kernel("copy.9", "copy", 1, 12 * row, 12 * row)
   # a gather behind a convert reads the gathered elements, not the [8, 1024] operand
   assert kernels["picked"] == bench_traffic.Kernel("picked", "fusion", 12, 8 * 4 + 8 * 2 * 4, 8 * 4)
+  # of which its integer operands: the gather's indices (and the loop's index elsewhere)
+  assert (kernels["picked"].indices, kernels["row"].indices, kernels["scaled"].indices) == (8 * 2 * 4, 4, 0)
   # a static slice of a wider result (XLA's merged matmuls) reads the slice
   assert kernels["cut"] == bench_traffic.Kernel("cut", "fusion", 1, row, row)
   # XLA:TPU's asynchronous slice and copy into another memory space move what they deliver, once
@@ -215,3 +217,35 @@ def test_cli_prints_the_summary_and_the_heaviest_kernels(tmp_path, capsys):
   assert "jvp(M)/layers_N/mlp/mul" in capsys.readouterr().out
   with pytest.raises(ValueError, match="no ENTRY"):
     bench_traffic.kernels("HloModule empty\n")
+
+
+GATHERS = """HloModule jit_step, entry_computation_layout={()}
+
+%fused_windows (param_0: bf16[4,64], param_1: s32[4,32,2]) -> bf16[4,32] {
+  %param_0 = bf16[4,64]{1,0} parameter(0)
+  %param_1 = s32[4,32,2]{2,1,0} parameter(1)
+  ROOT %gather.1 = bf16[4,32]{1,0} gather(%param_0, %param_1), offset_dims={}, collapsed_slice_dims={0,1}, start_index_map={0,1}, index_vector_dim=2, slice_sizes={1,1}
+}
+
+ENTRY %main (p0: bf16[4,64], p1: s32[4,32,2]) -> bf16[4,32] {
+  %p0 = bf16[4,64]{1,0} parameter(0)
+  %p1 = s32[4,32,2]{2,1,0} parameter(1)
+  ROOT %windows = bf16[4,32]{1,0} fusion(%p0, %p1), kind=kLoop, calls=%fused_windows, metadata={op_name="jit(step_fn)/jvp(M)/take_along_axis/gather"}
+}
+"""
+
+
+def test_cli_names_the_integer_reads_when_indices_weigh(tmp_path, capsys):
+  """A gather whose index tuples outweigh what it gathers (take_along_axis with indices broadcast
+  to the output) is named with its integer bytes; the module above, where indices are a few bytes,
+  prints no such line."""
+  total, heaviest = bench_traffic.index_reads(GATHERS)
+  assert total == 4 * 32 * 2 * 4 and heaviest == [("jvp(M)/take_along_axis/gather", total)]
+  path = tmp_path / "gathers.txt"
+  path.write_text(GATHERS)
+  bench_traffic.main([str(path), "--top", "1"])
+  lines = capsys.readouterr().out.splitlines()
+  assert len(lines) == 3 and "integer operands" in lines[1] and "jvp(M)/take_along_axis/gather" in lines[1]
+  path.write_text(HLO)
+  bench_traffic.main([str(path), "--top", "1"])
+  assert not any("integer operands" in line for line in capsys.readouterr().out.splitlines())

@@ -4,6 +4,9 @@ bandwidth goes, without the device.
     python -m tfx.bench --suite accel --lower gpu --topology h100 --only gpt2_small   (prints it)
     python -m tfx.bench_traffic module.txt [--top 20] [--by op]   (an XLA dump's *after_optimizations.txt)
 
+(The CLI also names the integer operands the kernels read, gather indices above all, when they
+are at least 1% of the step: `index_reads`.)
+
 On a GPU the step's elementwise and reduction fusions are bound by memory bandwidth, not
 arithmetic (on an H100, 2026-11-27: GPT-2-small's, BERT-base's, T5-base's and XLNet-base's
 fusions moved, by this count, 56.4, 27.0, 46.7 and 243.3 GB in 23.1, 11.4, 17.9 and 98.8 ms of
@@ -61,7 +64,8 @@ class Instruction:
 @dataclasses.dataclass(frozen=True)
 class Kernel:
   """One kernel of the step: its instruction's name, kind (KINDS), how often it runs a step, the
-  bytes it reads and writes each time, and the model operation it came from (`op_of`)."""
+  bytes it reads and writes each time, the model operation it came from (`op_of`), and how many of
+  the bytes read each time are integer operands (`indices`: gather indices, ids; part of `read`)."""
 
   name: str
   kind: str
@@ -69,6 +73,7 @@ class Kernel:
   read: int
   written: int
   op: str = ""
+  indices: int = dataclasses.field(default=0, compare=False)
 
   @property
   def bytes(self) -> int:
@@ -141,20 +146,28 @@ def _sliced_read(body: dict[str, Instruction], name: str) -> int | None:
   return total
 
 
-def _fused_bytes(body: dict[str, Instruction]) -> tuple[int, int]:
-  """(read, written) of a fused computation: see the module docstring for the rules."""
+def _integer(shape: str) -> bool:
+  """Whether an HLO shape is an integer array (s32[...], u8[...]; not pred)."""
+  return any(dtype[0] in "su" for dtype, _ in _ARRAY.findall(shape))
+
+
+def _fused_bytes(body: dict[str, Instruction]) -> tuple[int, int, int]:
+  """(read, written, of the read the integer operands') of a fused computation: see the module
+  docstring for the rules."""
   in_place = {i.operands[0] for i in body.values() if i.op == "dynamic-update-slice"}
-  read = 0
+  read = indices = 0
   for name, inst in body.items():
     if inst.op != "parameter" or name in in_place:
       continue
     sliced = _sliced_read(body, name)
-    read += shape_bytes(inst.shape) if sliced is None else sliced
+    size = shape_bytes(inst.shape) if sliced is None else sliced
+    read += size
+    indices += size if _integer(inst.shape) else 0
   root = next(i for i in body.values() if i.root)
   outputs = [body[o] for o in root.operands] if root.op == "tuple" else [root]
   written = sum(shape_bytes(body[o.operands[1]].shape) if o.op == "dynamic-update-slice" else shape_bytes(o.shape)
                 for o in outputs)
-  return read, written
+  return read, written, indices
 
 
 def _kind(name: str, inst: Instruction, body: dict[str, Instruction] | None) -> str:
@@ -232,15 +245,17 @@ def kernels(text: str) -> list[Kernel]:
       elif (inst.op not in _NOT_KERNELS and not inst.op.endswith("-done")  # a -done ends its -start
             and _attribute(inst, "custom_call_target") not in _NO_TRAFFIC_CALLS):
         body = computations.get(_attribute(inst, "calls") or "") if inst.op == "fusion" else None
+        indices = 0
         if body is not None:
-          read, written = _fused_bytes(body)
+          read, written, indices = _fused_bytes(body)
         elif inst.op in ("copy-start", "slice-start"):
           read = written = _transferred(inst)
         else:
-          scope = computations[name]
-          read = sum(shape_bytes(scope[o].shape) for o in inst.operands if o in scope)
+          operands = [computations[name][o].shape for o in inst.operands if o in computations[name]]
+          read = sum(shape_bytes(s) for s in operands)
+          indices = sum(shape_bytes(s) for s in operands if _integer(s))
           written = shape_bytes(inst.shape)
-        found.append(Kernel(inst_name, _kind(inst_name, inst, body), times, read, written, op_of(inst)))
+        found.append(Kernel(inst_name, _kind(inst_name, inst, body), times, read, written, op_of(inst), indices))
 
   walk(entry, 1)
   return found
@@ -275,6 +290,23 @@ def top_kernels(text: str, n: int, by: str = "name") -> list[tuple[str, str, int
   return rows[:n]
 
 
+def index_reads(text: str, n: int = 3) -> tuple[int, list[tuple[str, int]]]:
+  """(bytes of integer operands the step's kernels read, [(model operation or kernel name, its
+  bytes)] of the n heaviest). Gather indices as large as what they gather are a layout to change:
+  XLA reads a full index tuple, an int32 per dimension, for every element a gather writes
+  (`jnp.take_along_axis` with indices broadcast over the heads and a window gave XLNet-base's step
+  for an H100 18 GB of them)."""
+  merged: dict[str, int] = collections.Counter()
+  for k in kernels(text):
+    if k.indices:
+      merged[k.op or re.sub(r"\.\d+$", "", k.name)] += k.count * k.indices
+  return sum(merged.values()), merged.most_common(n)
+
+
+# The CLI names the integer reads when they are at least this share of the step's bytes.
+INDEX_SHARE = 0.01
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(prog="python -m tfx.bench_traffic", description=__doc__.split("\n\n")[0])
   parser.add_argument("module", help="optimized HLO text (an XLA dump's *after_optimizations.txt)")
@@ -285,7 +317,12 @@ def main(argv: list[str] | None = None) -> None:
   args = parser.parse_args(argv)
   with open(args.module) as f:
     text = f.read()
-  print(format_summary(summary(text)))
+  moved = summary(text)
+  print(format_summary(moved))
+  total, heaviest = index_reads(text)
+  if total >= INDEX_SHARE * moved["total"]:
+    print(f"  of which integer operands (indices, ids) read: {total / 1e9:.1f} GB, most in "
+          + ", ".join(f"{name} ({b / 1e9:.1f} GB)" for name, b in heaviest))
   for name, kind, count, moved in top_kernels(text, args.top, by=args.by):
     print(f"{moved / 1e9:8.2f} GB  x{count:<4d} {kind:16s} {name}")
 
