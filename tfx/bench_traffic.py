@@ -146,9 +146,9 @@ def _sliced_read(body: dict[str, Instruction], name: str) -> int | None:
   return total
 
 
-def _integer(shape: str) -> bool:
-  """Whether an HLO shape is an integer array (s32[...], u8[...]; not pred)."""
-  return any(dtype[0] in "su" for dtype, _ in _ARRAY.findall(shape))
+def _integer_bytes(shape: str) -> int:
+  """Bytes of the integer arrays (s32[...], u8[...]; not pred) in an HLO shape."""
+  return sum(shape_bytes(f"{dtype}[{dims}]") for dtype, dims in _ARRAY.findall(shape) if dtype[0] in "su")
 
 
 def _fused_bytes(body: dict[str, Instruction]) -> tuple[int, int, int]:
@@ -162,7 +162,7 @@ def _fused_bytes(body: dict[str, Instruction]) -> tuple[int, int, int]:
     sliced = _sliced_read(body, name)
     size = shape_bytes(inst.shape) if sliced is None else sliced
     read += size
-    indices += size if _integer(inst.shape) else 0
+    indices += size if _integer_bytes(inst.shape) else 0  # (a fusion's parameter is one array)
   root = next(i for i in body.values() if i.root)
   outputs = [body[o] for o in root.operands] if root.op == "tuple" else [root]
   written = sum(shape_bytes(body[o.operands[1]].shape) if o.op == "dynamic-update-slice" else shape_bytes(o.shape)
@@ -253,7 +253,7 @@ def kernels(text: str) -> list[Kernel]:
         else:
           operands = [computations[name][o].shape for o in inst.operands if o in computations[name]]
           read = sum(shape_bytes(s) for s in operands)
-          indices = sum(shape_bytes(s) for s in operands if _integer(s))
+          indices = sum(_integer_bytes(s) for s in operands)
           written = shape_bytes(inst.shape)
         found.append(Kernel(inst_name, _kind(inst_name, inst, body), times, read, written, op_of(inst), indices))
 
