@@ -118,7 +118,7 @@ def test_row_windows_index_by_row_start_alone():
   """`row_windows` cuts each row's window out, and its gradient puts it back (zeros elsewhere), with
   gathers whose indices are the rows' starts alone: one index per row, not per window entry, and
   none for the head axis the starts are broadcast over (XLA reads every index a gather has, for
-  each window: take_along_axis's full index tuples cost XLNet-base 18 GB a step)."""
+  each window: take_along_axis's full index tuples were 17 GB of XLNet-base's step)."""
   g, h, r, n, p, width = 2, 3, 4, 5, 40, 17
   table = jax.random.normal(jax.random.key(3), (g, h, r, n, p))
   start = jnp.asarray(np.random.default_rng(0).integers(0, p - width + 1, (g, 1, r, n)))
