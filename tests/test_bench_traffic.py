@@ -237,15 +237,19 @@ ENTRY %main (p0: bf16[4,64], p1: s32[4,32,2]) -> bf16[4,32] {
 
 def test_cli_names_the_integer_reads_when_indices_weigh(tmp_path, capsys):
   """A gather whose index tuples outweigh what it gathers (take_along_axis with indices broadcast
-  to the output) is named with its integer bytes; the module above, where indices are a few bytes,
-  prints no such line."""
+  to the output): the summary gives its integer bytes and the CLI names the kernel; the module
+  above, where indices are a few bytes of the step, mentions none."""
   total, heaviest = bench_traffic.index_reads(GATHERS)
   assert total == 4 * 32 * 2 * 4 and heaviest == [("jvp(M)/take_along_axis/gather", total)]
   path = tmp_path / "gathers.txt"
   path.write_text(GATHERS)
   bench_traffic.main([str(path), "--top", "1"])
   lines = capsys.readouterr().out.splitlines()
-  assert len(lines) == 3 and "integer operands" in lines[1] and "jvp(M)/take_along_axis/gather" in lines[1]
+  assert len(lines) == 3 and lines[0].endswith("GB of it integer operands read (indices, ids)")
+  assert "jvp(M)/take_along_axis/gather" in lines[1]
+  assert bench_traffic.summary(GATHERS)["indices"] == total
   path.write_text(HLO)
   bench_traffic.main([str(path), "--top", "1"])
   assert not any("integer operands" in line for line in capsys.readouterr().out.splitlines())
+  moved = bench_traffic.summary(HLO)
+  assert 0 < moved["indices"] < 0.01 * moved["total"] and "integer" not in bench_traffic.format_summary(moved)

@@ -4,8 +4,8 @@ bandwidth goes, without the device.
     python -m tfx.bench --suite accel --lower gpu --topology h100 --only gpt2_small   (prints it)
     python -m tfx.bench_traffic module.txt [--top 20] [--by op]   (an XLA dump's *after_optimizations.txt)
 
-(The CLI also names the integer operands the kernels read, gather indices above all, when they
-are at least 1% of the step: `index_reads`.)
+(The summary also gives the integer operands the kernels read, gather indices above all, when they
+are at least 1% of the step, and the CLI names where: `index_reads`.)
 
 On a GPU the step's elementwise and reduction fusions are bound by memory bandwidth, not
 arithmetic (on an H100, 2026-11-27: GPT-2-small's, BERT-base's, T5-base's and XLNet-base's
@@ -262,18 +262,29 @@ def kernels(text: str) -> list[Kernel]:
 
 
 def summary(text: str) -> dict[str, int]:
-  """Bytes moved a step by kind of kernel (KINDS), plus "total"."""
+  """Bytes moved a step by kind of kernel (KINDS), plus "total" and, of the total, "indices" (the
+  integer operands read: `index_reads`)."""
   by_kind = collections.Counter({kind: 0 for kind in KINDS})
+  indices = 0
   for k in kernels(text):
     by_kind[k.kind] += k.bytes
-  return {**by_kind, "total": sum(by_kind.values())}
+    indices += k.count * k.indices
+  return {**by_kind, "total": sum(by_kind.values()), "indices": indices}
+
+
+# Integer operands (gather indices, ids) are named when they are at least this share of the step.
+INDEX_SHARE = 0.01
 
 
 def format_summary(moved: dict[str, int]) -> str:
   """'152.1 GB a step (matmul 43.8, attention 3.2, fusion 91.0, ...)' (GB = 1e9 bytes; kinds that
-  moved nothing left out)."""
+  moved nothing left out), and '; 17.1 GB of it integer operands read (indices, ids)' when those
+  are at least INDEX_SHARE of the step."""
   parts = ", ".join(f"{kind} {moved[kind] / 1e9:.1f}" for kind in KINDS if moved.get(kind))
-  return f"{moved['total'] / 1e9:.1f} GB a step ({parts})"
+  line = f"{moved['total'] / 1e9:.1f} GB a step ({parts})"
+  if moved.get("indices", 0) >= max(INDEX_SHARE * moved["total"], 1):
+    line += f"; {moved['indices'] / 1e9:.1f} GB of it integer operands read (indices, ids)"
+  return line
 
 
 def top_kernels(text: str, n: int, by: str = "name") -> list[tuple[str, str, int, int]]:
@@ -303,10 +314,6 @@ def index_reads(text: str, n: int = 3) -> tuple[int, list[tuple[str, int]]]:
   return sum(merged.values()), merged.most_common(n)
 
 
-# The CLI names the integer reads when they are at least this share of the step's bytes.
-INDEX_SHARE = 0.01
-
-
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(prog="python -m tfx.bench_traffic", description=__doc__.split("\n\n")[0])
   parser.add_argument("module", help="optimized HLO text (an XLA dump's *after_optimizations.txt)")
@@ -319,10 +326,9 @@ def main(argv: list[str] | None = None) -> None:
     text = f.read()
   moved = summary(text)
   print(format_summary(moved))
-  total, heaviest = index_reads(text)
-  if total >= INDEX_SHARE * moved["total"]:
-    print(f"  of which integer operands (indices, ids) read: {total / 1e9:.1f} GB, most in "
-          + ", ".join(f"{name} ({b / 1e9:.1f} GB)" for name, b in heaviest))
+  if moved["indices"] >= max(INDEX_SHARE * moved["total"], 1):
+    print("  integer operands read most in " + ", ".join(f"{name} ({b / 1e9:.1f} GB)"
+                                                         for name, b in index_reads(text)[1]))
   for name, kind, count, moved in top_kernels(text, args.top, by=args.by):
     print(f"{moved / 1e9:8.2f} GB  x{count:<4d} {kind:16s} {name}")
 
