@@ -276,13 +276,17 @@ def summary(text: str) -> dict[str, int]:
 INDEX_SHARE = 0.01
 
 
+def _indices_weigh(moved: dict[str, int]) -> bool:
+  return moved.get("indices", 0) >= max(INDEX_SHARE * moved["total"], 1)
+
+
 def format_summary(moved: dict[str, int]) -> str:
   """'152.1 GB a step (matmul 43.8, attention 3.2, fusion 91.0, ...)' (GB = 1e9 bytes; kinds that
   moved nothing left out), and '; 17.1 GB of it integer operands read (indices, ids)' when those
   are at least INDEX_SHARE of the step."""
   parts = ", ".join(f"{kind} {moved[kind] / 1e9:.1f}" for kind in KINDS if moved.get(kind))
   line = f"{moved['total'] / 1e9:.1f} GB a step ({parts})"
-  if moved.get("indices", 0) >= max(INDEX_SHARE * moved["total"], 1):
+  if _indices_weigh(moved):
     line += f"; {moved['indices'] / 1e9:.1f} GB of it integer operands read (indices, ids)"
   return line
 
@@ -324,9 +328,9 @@ def main(argv: list[str] | None = None) -> None:
   args = parser.parse_args(argv)
   with open(args.module) as f:
     text = f.read()
-  moved = summary(text)
-  print(format_summary(moved))
-  if moved["indices"] >= max(INDEX_SHARE * moved["total"], 1):
+  step = summary(text)
+  print(format_summary(step))
+  if _indices_weigh(step):
     print("  integer operands read most in " + ", ".join(f"{name} ({b / 1e9:.1f} GB)"
                                                          for name, b in index_reads(text)[1]))
   for name, kind, count, moved in top_kernels(text, args.top, by=args.by):
