@@ -5,7 +5,7 @@ bandwidth goes, without the device.
     python -m tfx.bench_traffic module.txt [--top 20] [--by op]   (an XLA dump's *after_optimizations.txt)
 
 (The summary also gives the integer operands the kernels read, gather indices above all, when they
-are at least 1% of the step, and the CLI names where: `index_reads`.)
+are at least 1% of the step, and the CLI names where: `heaviest_index_reads`.)
 
 On a GPU the step's elementwise and reduction fusions are bound by memory bandwidth, not
 arithmetic (on an H100, 2026-11-27: GPT-2-small's, BERT-base's, T5-base's and XLNet-base's
@@ -263,7 +263,7 @@ def kernels(text: str) -> list[Kernel]:
 
 def summary(text: str) -> dict[str, int]:
   """Bytes moved a step by kind of kernel (KINDS), plus "total" and, of the total, "indices" (the
-  integer operands read: `index_reads`)."""
+  integer operands read)."""
   by_kind = collections.Counter({kind: 0 for kind in KINDS})
   indices = 0
   for k in kernels(text):
@@ -305,17 +305,17 @@ def top_kernels(text: str, n: int, by: str = "name") -> list[tuple[str, str, int
   return rows[:n]
 
 
-def index_reads(text: str, n: int = 3) -> tuple[int, list[tuple[str, int]]]:
-  """(bytes of integer operands the step's kernels read, [(model operation or kernel name, its
-  bytes)] of the n heaviest). Gather indices as large as what they gather are a layout to change:
-  XLA reads a full index tuple, an int32 per dimension, for every element a gather writes
-  (`jnp.take_along_axis` with indices broadcast over the heads and a window gave XLNet-base's step
-  for an H100 18 GB of them)."""
+def heaviest_index_reads(text: str, n: int = 3) -> list[tuple[str, int]]:
+  """[(model operation or kernel name, bytes of integer operands it reads a step)] of the n
+  heaviest readers (their total is `summary`'s "indices"). Gather indices as large as what they
+  gather are a layout to change: XLA reads a full index tuple, an int32 per dimension, for every
+  element a gather writes (`jnp.take_along_axis` with indices broadcast over the heads and a
+  window gave XLNet-base's step for an H100 17 GB of them)."""
   merged: dict[str, int] = collections.Counter()
   for k in kernels(text):
     if k.indices:
       merged[k.op or re.sub(r"\.\d+$", "", k.name)] += k.count * k.indices
-  return sum(merged.values()), merged.most_common(n)
+  return merged.most_common(n)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
   print(format_summary(step))
   if _indices_weigh(step):
     print("  integer operands read most in " + ", ".join(f"{name} ({b / 1e9:.1f} GB)"
-                                                         for name, b in index_reads(text)[1]))
+                                                         for name, b in heaviest_index_reads(text)))
   for name, kind, count, moved in top_kernels(text, args.top, by=args.by):
     print(f"{moved / 1e9:8.2f} GB  x{count:<4d} {kind:16s} {name}")
 

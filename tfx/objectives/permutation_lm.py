@@ -312,7 +312,7 @@ class PermutationLM(Objective):
     if hasattr(model, "two_stream"):  # an ordinary family: absolute / rotary positions, no memory
       if mems is not None:
         raise ValueError("the two-stream encoder has no memory; set model.mem_len=0")
-      logits = model.apply(
+      out = model.apply(  # [b, n, v] logits, or (loss, metrics)
           {"params": params}, x["tokens"], x["positions"], content, query, x["target_mapping"],
           token_types=x["token_types"], train=train, rngs={"dropout": rng}, method="two_stream", loss=loss)
       new_mems = None
@@ -321,10 +321,10 @@ class PermutationLM(Objective):
         visible = jnp.ones(content.shape[:2] + (mems.shape[2],), bool)  # [b, t, m]
         content = jnp.concatenate([visible, content], axis=-1)  # [b, t, m + t]
         query = jnp.concatenate([visible, query], axis=-1)
-      logits, new_mems = model.apply(
+      out, new_mems = model.apply(
           {"params": params}, x["tokens"], x["token_types"], content, query,
-          x["target_mapping"], mems, bi_sign, train=train, rngs={"dropout": rng}, loss=loss)  # [b, n, v]
-    return logits, new_mems
+          x["target_mapping"], mems, bi_sign, train=train, rngs={"dropout": rng}, loss=loss)
+    return out, new_mems
 
   def predictions(self, model, params, batch, rng):
     """Slot m predicts the raw token at its target position from what its query stream may see:
