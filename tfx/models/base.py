@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from tfx import ops
 from tfx.nn.attention import RelativePositionBias
-from tfx.nn.layers import DenseGeneral, Embed, ModelConfig, add_bias, broadcast_param, make_norm
+from tfx.nn.layers import DenseGeneral, Dropout, Embed, ModelConfig, add_bias, broadcast_param, make_norm
 
 POSITIONS = ("learned", "sinusoidal", "rotary", "relative")
 
@@ -115,7 +115,7 @@ class Family(nn.Module):
         x = x + type_embed(jnp.zeros_like(positions) if types is None else types)
       return x if norm is None else norm(x)
 
-    drop = lambda y: nn.Dropout(cfg.dropout)(y, deterministic=not train)
+    drop = lambda y: Dropout(cfg.dropout)(y, deterministic=not train)
     x = combine(embed(tokens), positions, token_types)  # [b, t, e]
     # Zero unless a 'perturbations' collection is passed: lets tests take gradients with
     # respect to the input embeddings (information-flow checks).

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from tfx import ops
 from tfx.models.base import Family, Slots
 from tfx.nn import DenseGeneral, Embed, QueryStream, Stack, make_norm
-from tfx.nn.layers import GATED, activation, take_rows
+from tfx.nn.layers import GATED, Dropout, activation, take_rows
 from tfx.registry import FAMILIES
 
 
@@ -219,6 +219,6 @@ class ClassifierHead(nn.Module):
       pooled = take_rows(hidden, rows)[:, 0]  # [b, e]
     e = hidden.shape[-1]
     pooled = jnp.tanh(DenseGeneral((e,), (e,), ("embed", "mlp"), init_std=self.init_std, name="pooler")(pooled))
-    pooled = nn.Dropout(self.dropout)(pooled, deterministic=not train)
+    pooled = Dropout(self.dropout)(pooled, deterministic=not train)
     return DenseGeneral((e,), (self.num_classes,), ("embed", None), init_std=self.init_std,
                         name="classifier")(pooled).astype(jnp.float32)

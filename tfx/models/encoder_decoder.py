@@ -18,7 +18,7 @@ import jax
 from tfx import ops
 from tfx.models.base import Family
 from tfx.nn import Embed, Stack, make_norm
-from tfx.nn.layers import take_rows
+from tfx.nn.layers import Dropout, take_rows
 from tfx.registry import FAMILIES
 
 
@@ -77,7 +77,7 @@ class EncoderDecoder(Family):
         x, mask, decoder_positions, decoder_segment_ids, bias, encoded, cross_mask)
     if cfg.norm == "pre":
       x = make_norm(cfg, "decoder_final_norm")(x)
-    x = nn.Dropout(cfg.dropout)(x, deterministic=not train)
+    x = Dropout(cfg.dropout)(x, deterministic=not train)
     return self.lm_head(embed, x, loss=loss)
 
   def _encode(self, embed, tokens, segment_ids, positions, train, lengths=False):
@@ -89,4 +89,4 @@ class EncoderDecoder(Family):
     x = Stack(cfg, cfg.num_layers, deterministic=not train, name="encoder")(x, mask, positions, segment_ids, bias)
     if cfg.norm == "pre":
       x = make_norm(cfg, "encoder_final_norm")(x)
-    return nn.Dropout(cfg.dropout)(x, deterministic=not train)
+    return Dropout(cfg.dropout)(x, deterministic=not train)

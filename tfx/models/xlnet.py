@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from tfx import ops
 from tfx.models.base import Family
 from tfx.nn.blocks import rematted, stacked_layers, with_layers_cut
-from tfx.nn.layers import Embed, broadcast_param, take_rows
+from tfx.nn.layers import Dropout, Embed, broadcast_param, take_rows
 from tfx.nn.xlnet import (XLNetLayer, distance_table, encoding_signs, relative_encoding, segment_difference,
                           shared_biases)
 from tfx.registry import FAMILIES
@@ -97,7 +97,7 @@ class XLNet(Family):
       raise ValueError("xlnet: rows (the content stream at some positions) and a query stream exclude each other")
     b, t = tokens.shape
     m = 0 if mems is None else mems.shape[2]
-    drop = lambda x: nn.Dropout(cfg.dropout)(x, deterministic=not train)
+    drop = lambda x: Dropout(cfg.dropout)(x, deterministic=not train)
 
     embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=cfg.compute_dtype, name="token_embed")
     h = self.perturb("embeddings", embed(tokens))  # [b, t, e]; perturbations: information-flow tests

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from tfx import ops
+from tfx.ops import hoisting
 from tfx.nn.layers import DenseGeneral, ModelConfig, constrain, fused_projections
 
 
@@ -117,14 +118,14 @@ def _reference_with_dropout(q, k, v, mask, bias, scale, rate, rng):
   if bias is not None:
     scores = scores + bias
   if mask is not None:
-    scores = jnp.where(mask, scores, ops.MASK_VALUE)
+    scores = hoisting.where(mask, scores, ops.MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1)
   keep = jax.random.bernoulli(rng, 1.0 - rate, probs.shape)
-  probs = jnp.where(keep, probs / (1.0 - rate), 0.0).astype(v.dtype)
+  probs = hoisting.where(keep, probs / (1.0 - rate), 0.0).astype(v.dtype)
   out = jnp.einsum("bhts,bshd->bthd", probs, v)
   if mask is not None:
     ok = jnp.moveaxis(ops.rows_attend(mask), 1, 2)[..., None]
-    out = jnp.where(ok, out, jnp.zeros((), out.dtype))
+    out = hoisting.where(ok, out, 0.0)
   return out
 
 

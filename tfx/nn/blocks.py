@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from tfx import ops
 from tfx.nn.attention import Attention
-from tfx.nn.layers import Mlp, ModelConfig, constrain, make_norm
+from tfx.nn.layers import Dropout, Mlp, ModelConfig, constrain, make_norm
 
 # Rematerialisation policies by name (config `model.remat`; tfx.bench --sweep-remat compares them).
 # JAX's own policy names are accepted beside the short ones.
@@ -81,7 +81,7 @@ class Block(nn.Module):
       raise ValueError("two-stream blocks have no cross-attention, KV cache or attention bias")
     if query is None and not self.content:
       raise ValueError("Block(content=False) runs the query stream alone: it needs `query`")
-    drop = lambda y: nn.Dropout(cfg.dropout)(y, deterministic=self.deterministic)
+    drop = lambda y: Dropout(cfg.dropout)(y, deterministic=self.deterministic)
     attn = Attention(cfg, self.deterministic, self.decode, use_rotary=cfg.position == "rotary", name="attention")
 
     # Two streams: each projection on its own, so that XLA merges the query stream's k and v with

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from tfx import ops
-from tfx.ops import activations, target
+from tfx.ops import activations, hoisting, target
 
 Dtype = Any
 
@@ -398,5 +398,24 @@ class Mlp(nn.Module):
     else:
       h = act(dense(cfg.d_ff, ("embed", "mlp"), "wi_0")(x))  # [b, t, f]
     h = constrain(h, ("act_batch", "act_length", "act_mlp"))
-    h = nn.Dropout(cfg.dropout)(h, deterministic=self.deterministic)
+    h = Dropout(cfg.dropout)(h, deterministic=self.deterministic)
     return dense(cfg.d_model, ("mlp", "embed"), "wo")(h)  # [b, t, e]
+
+
+class Dropout(nn.Module):
+  """flax's `nn.Dropout` (the same random draws from the `dropout` collection, bitwise the same
+  outputs) without its zeros of the input's shape built from a constant: under `jax.grad` the
+  scanned layer stack stores such zeros whole outside its loop and every layer reads them back
+  (`tfx.ops.hoisting`). x [...] -> [...], kept entries scaled by 1 / (1 - rate)."""
+
+  rate: float
+
+  @nn.compact
+  def __call__(self, x: jax.Array, deterministic: bool) -> jax.Array:
+    if deterministic or self.rate == 0.0:
+      return x
+    if self.rate == 1.0:  # as flax: zeros, and no NaN gradient from 1 / 0
+      return hoisting.where(False, x, 0.0)
+    keep_prob = 1.0 - self.rate
+    keep = jax.random.bernoulli(self.make_rng("dropout"), p=keep_prob, shape=x.shape)
+    return hoisting.where(keep, x / keep_prob, 0.0)

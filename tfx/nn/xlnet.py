@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from tfx import ops
-from tfx.nn.layers import DenseGeneral, Mlp, ModelConfig, Norm, add_bias, constrain, take_rows
+from tfx.ops import hoisting
+from tfx.nn.layers import DenseGeneral, Dropout, Mlp, ModelConfig, Norm, add_bias, constrain, take_rows
 
 
 class RelBiases(NamedTuple):
@@ -327,7 +328,8 @@ def relative_bias(q: jax.Array, k_r: jax.Array, biases: RelBiases, seg_embed: ja
     return bd
   ef = segment_scores(add_bias(q, biases.r_s), seg_embed)  # [b, h, t, 2]
   ef = ef.astype(jnp.float32)
-  return bd + jnp.where(seg_diff[:, None], ef[..., 1:], ef[..., :1])
+  # (seg_diff tied to ef: a scanned stack's gradient would store its head broadcast; ops.hoisting)
+  return bd + jnp.where(hoisting.tied(seg_diff[:, None], ef), ef[..., 1:], ef[..., :1])
 
 
 def relative_scores(q: jax.Array, k: jax.Array, k_r: jax.Array, biases: RelBiases, seg_embed: jax.Array,
@@ -386,7 +388,7 @@ def relative_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_r: jax.Array,
     return out
   keyless = ~jnp.any(mask, axis=-1)[:, :, None, None]  # [b, t, 1, 1]
   mean_v = jnp.mean(v.astype(jnp.float32), axis=1, keepdims=True).astype(out.dtype)  # [b, 1, h, d]
-  return jnp.where(keyless, mean_v, out)
+  return jnp.where(hoisting.tied(keyless, out), mean_v, out)
 
 
 def slot_rows(target_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -461,7 +463,7 @@ class TwoStreamAttention(nn.Module):
     out = DenseGeneral((nh, hd), (e,), ("heads", "kv", "embed"), use_bias=False, init_std=cfg.init_std, dtype=dt,
                        name="out")
     norm = Norm("layernorm", cfg.norm_eps, use_bias=True, dtype=dt, name="attention_norm")
-    drop = lambda x: nn.Dropout(cfg.dropout)(x, deterministic=self.deterministic)
+    drop = lambda x: Dropout(cfg.dropout)(x, deterministic=self.deterministic)
 
     cat = h if mem is None else jnp.concatenate([mem.astype(h.dtype), h], axis=1)  # [b, s, e]
     k = proj("key")(cat)  # [b, s, h, d]
@@ -532,7 +534,7 @@ class XLNetLayer(nn.Module):
         h, g, mem, r, seg_diff, content_mask, query_mask, target_mapping, biases)
     mlp = Mlp(cfg, self.deterministic, name="mlp")
     norm = Norm("layernorm", cfg.norm_eps, use_bias=True, dtype=cfg.compute_dtype, name="mlp_norm")
-    drop = lambda x: nn.Dropout(cfg.dropout)(x, deterministic=self.deterministic)
+    drop = lambda x: Dropout(cfg.dropout)(x, deterministic=self.deterministic)
     ffn = lambda x: norm(x + drop(mlp(x)))
     return (None if h is None else ffn(h), None if g is None else ffn(g)), new_mem
 

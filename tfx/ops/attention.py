@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from tfx.ops import flash, splash, target
+from tfx.ops import flash, hoisting, splash, target
 from tfx.ops.masks import SEGMENT_ID_KERNELS, LengthMask, SegmentMask, SegmentRuns, dense_mask, rows_attend
 
 Implementation = Literal["auto", "xla", "cudnn", "pallas", "splash", "reference"]
@@ -134,7 +134,7 @@ def _scores(q, k, mask, bias, scale):
   if bias is not None:
     s = s + _grouped(bias, kh).astype(jnp.float32)
   if mask is not None:
-    s = jnp.where(_grouped(mask, kh), s, MASK_VALUE)
+    s = hoisting.where(_grouped(mask, kh), s, MASK_VALUE)
   return s
 
 
@@ -142,7 +142,7 @@ def _dropped(p: jax.Array, keep: jax.Array | None, rate: float) -> jax.Array:
   """p [b, k, g, t, s] with attention dropout: kept entries scaled by 1 / (1 - rate), the rest 0."""
   if keep is None:
     return p
-  return jnp.where(_grouped(keep, p.shape[1]), p * jnp.float32(1.0 / (1.0 - rate)), 0.0)
+  return hoisting.where(_grouped(keep, p.shape[1]), p * jnp.float32(1.0 / (1.0 - rate)), 0.0)
 
 
 def _attention_fwd(q, k, v, mask, bias, keep, scale, rate):
@@ -153,9 +153,9 @@ def _attention_fwd(q, k, v, mask, bias, keep, scale, rate):
   top = jnp.max(s, axis=-1, keepdims=True)  # [b, k, g, t, 1]
   # Unnormalised probabilities; a row with no allowed key (its max is the mask value) gets none,
   # so its output and every gradient through it are exactly zero (no mean of V).
-  p = jnp.where(top > 0.5 * MASK_VALUE, jnp.exp(s - top), 0.0)
+  p = hoisting.where(top > 0.5 * MASK_VALUE, jnp.exp(s - top), 0.0)
   total = jnp.sum(p, axis=-1)  # [b, k, g, t]: 0 for such a row, else >= 1 (the max gives exp(0))
-  inv_l = jnp.where(total > 0.0, 1.0 / jnp.maximum(total, 1.0), 0.0)
+  inv_l = hoisting.where(total > 0.0, 1.0 / jnp.maximum(total, 1.0), 0.0)
   out = _pv(_dropped(p, keep, rate).astype(v.dtype), v)  # [b, t, k, g, d]
   out = out * jnp.moveaxis(inv_l, 3, 1)[..., None]  # [b, t, k, g, d]
   # The residual in the compute dtype: the backward pass rounds dS to it before its matmuls anyway,
@@ -323,7 +323,7 @@ def padding_attends_padding(v: jax.Array, mask: SegmentMask) -> tuple[jax.Array,
   that write v and read dv (GPT-2-small's step compiled for an H100: 102.7 -> 100.3 GB).
   """
   pad = mask.segment_ids == 0  # [b, t]
-  v = jnp.where(pad[:, :, None, None], jnp.zeros((), v.dtype), v)  # [b, t, k, d]
+  v = hoisting.where(~pad[:, :, None, None], v, 0.0)  # [b, t, k, d]
   return v, mask.dense() | (pad[:, None, :, None] & pad[:, None, None, :])
 
 
@@ -515,5 +515,5 @@ def dot_product_attention(
       ok = mask.attending_rows()[:, :, None, None]  # [b, t, 1, 1]
     else:
       ok = jnp.moveaxis(rows_attend(dense()), 1, 2)[..., None]  # [b|1, t, h|1, 1]
-    out = jnp.where(ok, out, jnp.zeros((), out.dtype))
+    out = hoisting.where(ok, out, 0.0)
   return out
