@@ -253,3 +253,33 @@ def test_cli_names_the_integer_reads_when_indices_weigh(tmp_path, capsys):
   assert not any("integer operands" in line for line in capsys.readouterr().out.splitlines())
   moved = bench_traffic.summary(HLO)
   assert 0 < moved["indices"] < 0.01 * moved["total"] and "integer" not in bench_traffic.format_summary(moved)
+
+
+STACK_VIEW = """HloModule jit_step, entry_computation_layout={()}
+
+%fused_view (param_0: s32[], param_1: f32[12,8,4,64], param_2: f32[8,4,64]) -> f32[12,4,8,64] {
+  %param_1 = f32[12,8,4,64]{3,1,2,0} parameter(1)
+  %bitcast.1 = f32[12,4,8,64]{3,2,1,0} bitcast(%param_1)
+  %param_2 = f32[8,4,64]{2,1,0} parameter(2)
+  %transpose.1 = f32[4,8,64]{2,1,0} transpose(%param_2), dimensions={1,0,2}
+  %bitcast.2 = f32[1,4,8,64]{3,2,1,0} bitcast(%transpose.1)
+  %param_0 = s32[] parameter(0)
+  %constant.1 = s32[] constant(0)
+  ROOT %dynamic-update-slice.1 = f32[12,4,8,64]{3,2,1,0} dynamic-update-slice(%bitcast.1, %bitcast.2, %param_0, %constant.1, %constant.1, %constant.1)
+}
+
+ENTRY %main () -> f32[12,4,8,64] {
+  %i = s32[] constant(3)
+  %stack = f32[12,8,4,64]{3,1,2,0} constant({...})
+  %out = f32[8,4,64]{2,1,0} constant({...})
+  ROOT %updated = f32[12,4,8,64]{3,2,1,0} fusion(%i, %stack, %out), kind=kLoop, calls=%fused_view
+}
+"""
+
+
+def test_an_update_of_a_stack_seen_through_a_bitcast_is_in_place():
+  """A scanned loop's stacked residual updated through a view of the stack (XLA:GPU's layout for
+  XLNet's [L, b, t, k, g, d] attention output): the update's bytes, not the whole stack's."""
+  (kernel,) = bench_traffic.kernels(STACK_VIEW)
+  update = 8 * 4 * 64 * 4
+  assert kernel == bench_traffic.Kernel("updated", "in-place update", 1, 4 + update, update)

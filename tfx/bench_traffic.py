@@ -19,7 +19,8 @@ while loops around it (a scanned layer stack's body runs once per layer). Reads 
 parameter only through a slice or dynamic-slice count the slice (XLA merges matmuls that share an
 operand, e.g. T5's 12 layers' cross-attention key and value projections of the encoder output, and
 slices each layer's result out), through a gather the gathered elements (also behind a convert or
-bitcast); a dynamic-update-slice writes its update into a buffer it does not read (in place).
+bitcast); a dynamic-update-slice writes its update into a buffer it does not read (in place, also
+when the buffer reaches it through bitcasts).
 XLA:TPU's asynchronous copies and slices into its on-chip memory spaces (`S(1)` in a layout) count
 what they deliver, once; kernels reading those spaces are counted as if they read HBM, so on a TPU
 the count bounds HBM traffic from above. What the count cannot see: caches (a kernel's re-read of
@@ -151,10 +152,19 @@ def _integer_bytes(shape: str) -> int:
   return sum(shape_bytes(f"{dtype}[{dims}]") for dtype, dims in _ARRAY.findall(shape) if dtype[0] in "su")
 
 
+def _through_bitcasts(body: dict[str, Instruction], name: str) -> str:
+  """The value `name` is a bitcast (a view: the same buffer) of, through any chain of them. A
+  scanned loop's stack is often updated through one ([L, b, t, k, g, d] viewed in the order of
+  the layer's output), and XLA still updates it in place."""
+  while body[name].op == "bitcast":
+    name = body[name].operands[0]
+  return name
+
+
 def _fused_bytes(body: dict[str, Instruction]) -> tuple[int, int, int]:
   """(read, written, of the read the integer operands') of a fused computation: see the module
   docstring for the rules."""
-  in_place = {i.operands[0] for i in body.values() if i.op == "dynamic-update-slice"}
+  in_place = {_through_bitcasts(body, i.operands[0]) for i in body.values() if i.op == "dynamic-update-slice"}
   read = indices = 0
   for name, inst in body.items():
     if inst.op != "parameter" or name in in_place:
