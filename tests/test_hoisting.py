@@ -86,8 +86,7 @@ def grown_in_layers(config_path: str, *overrides: str) -> list[str]:
         continue
       largest_input = max((_size(v) for v in eqn.invars), default=1)
       if _size(var) > max(largest_input, 1) and _size(var) >= tokens:
-        found.append(f"{var.aval.str_short()} from {eqn.primitive.name} "
-                     f"({jax._src.source_info_util.summarize(eqn.source_info)})")
+        found.append(f"{var.aval.str_short()} from {eqn.primitive.name} in {getattr(eqn.source_info, 'name_stack', '')}")
   return found
 
 
