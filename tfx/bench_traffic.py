@@ -271,12 +271,22 @@ def kernels(text: str) -> list[Kernel]:
   return found
 
 
-def summary(text: str) -> dict[str, int]:
+def _parsed(module: str | list[Kernel]) -> list[Kernel]:
+  """`module`'s kernels: parsed from optimized HLO text, or the list `kernels` already returned."""
+  return kernels(module) if isinstance(module, str) else module
+
+
+def _unnumbered(name: str) -> str:
+  """'fusion.3' -> 'fusion': XLA's numbered copies of one kernel merged."""
+  return re.sub(r"\.\d+$", "", name)
+
+
+def summary(module: str | list[Kernel]) -> dict[str, int]:
   """Bytes moved a step by kind of kernel (KINDS), plus "total" and, of the total, "indices" (the
-  integer operands read)."""
+  integer operands read). `module`: optimized HLO text or its `kernels`."""
   by_kind = collections.Counter({kind: 0 for kind in KINDS})
   indices = 0
-  for k in kernels(text):
+  for k in _parsed(module):
     by_kind[k.kind] += k.bytes
     indices += k.count * k.indices
   return {**by_kind, "total": sum(by_kind.values()), "indices": indices}
@@ -301,13 +311,13 @@ def format_summary(moved: dict[str, int]) -> str:
   return line
 
 
-def top_kernels(text: str, n: int, by: str = "name") -> list[tuple[str, str, int, int]]:
+def top_kernels(module: str | list[Kernel], n: int, by: str = "name") -> list[tuple[str, str, int, int]]:
   """The n heaviest kernels, [(key, kind, runs a step, bytes a step)]: by="name" merges numbered
   copies ('fusion.3' -> 'fusion'), by="op" the kernels of one model operation (`op_of`: all
   layers' MLP bias gradients are one row)."""
   merged: dict[tuple[str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
-  for k in kernels(text):
-    key = (k.op or k.name) if by == "op" else re.sub(r"\.\d+$", "", k.name)
+  for k in _parsed(module):
+    key = (k.op or k.name) if by == "op" else _unnumbered(k.name)
     entry = merged[(key, k.kind)]
     entry[0] += k.count
     entry[1] += k.bytes
@@ -315,16 +325,16 @@ def top_kernels(text: str, n: int, by: str = "name") -> list[tuple[str, str, int
   return rows[:n]
 
 
-def heaviest_index_reads(text: str, n: int = 3) -> list[tuple[str, int]]:
+def heaviest_index_reads(module: str | list[Kernel], n: int = 3) -> list[tuple[str, int]]:
   """[(model operation or kernel name, bytes of integer operands it reads a step)] of the n
   heaviest readers (their total is `summary`'s "indices"). Gather indices as large as what they
   gather are a layout to change: XLA reads a full index tuple, an int32 per dimension, for every
   element a gather writes (`jnp.take_along_axis` with indices broadcast over the heads and a
   window gave XLNet-base's step for an H100 17 GB of them)."""
   merged: dict[str, int] = collections.Counter()
-  for k in kernels(text):
+  for k in _parsed(module):
     if k.indices:
-      merged[k.op or re.sub(r"\.\d+$", "", k.name)] += k.count * k.indices
+      merged[k.op or _unnumbered(k.name)] += k.count * k.indices
   return merged.most_common(n)
 
 
@@ -337,13 +347,13 @@ def main(argv: list[str] | None = None) -> None:
                            "came from (the HLO metadata's op_name, layer numbers dropped)")
   args = parser.parse_args(argv)
   with open(args.module) as f:
-    text = f.read()
-  step = summary(text)
+    found = kernels(f.read())  # parsed once for the three reports
+  step = summary(found)
   print(format_summary(step))
   if _indices_weigh(step):
     print("  integer operands read most in " + ", ".join(f"{name} ({b / 1e9:.1f} GB)"
-                                                         for name, b in heaviest_index_reads(text)))
-  for name, kind, count, moved in top_kernels(text, args.top, by=args.by):
+                                                         for name, b in heaviest_index_reads(found)))
+  for name, kind, count, moved in top_kernels(found, args.top, by=args.by):
     print(f"{moved / 1e9:8.2f} GB  x{count:<4d} {kind:16s} {name}")
 
 

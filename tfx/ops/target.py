@@ -135,19 +135,19 @@ def row_major_weight_gradients() -> bool:
 
 
 def flattened_matmuls() -> bool:
-  """Whether a dense layer's matmul runs as one 2-D matmul, its leading and contracted dims merged
-  by reshapes (`tfx.nn.layers.flat_matmul`): on a CPU (XLA:CPU's kernels want it) and a GPU (its
+  """Whether a dense layer's matmul runs as one 2-D matmul, its leading and contracted dims merged by
+  reshapes (`tfx.nn.layers.flat_matmul`): on a CPU (XLA:CPU's kernels want it) and a GPU (its
   layouts are row-major, the reshapes free: compiled for an H100 either way, GPT-2-small and
   T5-base move the same 99.7 and 70.5 GB a step at 32 rows), not on a TPU. XLA:TPU tiles every
   array's two minor dims and picks each intermediate's layout for its users, so the reshapes on
   either side of a 2-D matmul become relayout copies (the fused q, k, v projection's
-  [n, h * 3 * d] written row-major, copied column-major, reshaped to [b, t, h, 3, d] and copied to
-  another tiling, and the same again for its gradient). Compiled for a v5e 2x2 at the suite's batch (`make tpu-compile ARGS="--only
-  MODEL --skip-depth"`), bytes a step and memory per chip, flattened -> each product keeping its
-  dims: GPT-2-small 134.0 -> 120.8 GB (14.59 -> 13.78 GiB), BERT-base 63.0 -> 53.3 (5.13 -> 4.22),
-  T5-base 118.9 -> 94.3 (8.22 -> 7.60), XLNet-base 180.3 -> 157.3 (10.71 -> 9.67). Merging only
-  the leading dims (the contracted and output dims kept) was worse than merging none: T5-base
-  98.3 GB.
+  [n, h * 3 * d] written row-major, copied column-major, reshaped to [b, t, h, 3, d] and copied to another
+  tiling, and the same again for its gradient). Compiled for a v5e 2x2 at the suite's batch
+  (`make tpu-compile ARGS="--only MODEL --skip-depth"`), bytes a step and memory per chip,
+  flattened -> each product keeping its dims: GPT-2-small 134.0 -> 120.8 GB (14.59 -> 13.78
+  GiB), BERT-base 63.0 -> 53.3 (5.13 -> 4.22), T5-base 118.9 -> 94.3 (8.22 -> 7.60), XLNet-base
+  180.3 -> 157.3 (10.71 -> 9.67). Merging only the leading dims (the contracted and output dims
+  kept) was worse than merging none: T5-base 98.3 GB.
   """
   return backend() != "tpu"
 
