@@ -295,9 +295,20 @@ def test_t5_with_an_odd_target_length_lowers_for_gpu():
 
 
 def test_attention_dropout_names_the_path_it_takes():
+  """With attention dropout, 'auto' runs XLA's attention on a GPU (cuDNN's kernel through JAX has
+  no per-step seed); 'pallas' runs tfx's Pallas kernels, which draw the dropout themselves."""
   result = lower_gpt2("gpu", "model.attention=auto", "model.attention_dropout=0.1")
-  assert result["attention"] == ["xla (model.attention_dropout=0.1: no fused kernel applies dropout)"]
+  assert result["attention"] == ["xla (model.attention_dropout=0.1: of the fused kernels only Pallas' applies dropout "
+                                 "(model.attention=pallas))"]
   assert result["kernel_calls"] == {}
+
+
+@pytest.mark.parametrize("remat, sites", [("dots_attention", 3), ("full", 4)])
+def test_pallas_dropout_kernels_lower_to_triton(remat, sites):
+  # forward, dK/dV and dQ kernels; with `full` the forward kernel a second time
+  result = lower_gpt2("gpu", "model.attention=pallas", "model.attention_dropout=0.1", f"model.remat={remat}")
+  assert result["attention"] == ["pallas (GPU, segment ids; dropout 0.1 drawn in the kernel)"]
+  assert result["kernel_calls"] == {"triton (Pallas)": sites}, result["kernel_calls"]
 
 
 def test_kernel_calls_counts_call_sites_by_kernel():

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from tfx import ops
 from tfx.ops import hoisting
+from tfx.ops.flash_dropout import fused_dropout_attention
 from tfx.nn.layers import DenseGeneral, ModelConfig, constrain, fused_projections
 
 
@@ -79,9 +80,12 @@ class Attention(nn.Module):
 
     scale = d**-0.5 if cfg.scale_attention else 1.0
     dropout = cfg.attention_dropout if not self.deterministic else 0.0
-    if dropout > 0.0:
-      ops.log_choice("xla", f"model.attention_dropout={dropout}: no fused kernel applies dropout")
-      out = _reference_with_dropout(q, k, v, ops.dense_mask(mask), bias, scale, dropout, self.make_rng("dropout"))
+    if dropout > 0.0:  # the Pallas kernel draws the dropout in itself; XLA's attention otherwise
+      rng = self.make_rng("dropout")
+      out, why = fused_dropout_attention(q, k, v, mask, bias, scale, dropout, rng, cfg.attention)
+      ops.log_choice("xla" if out is None else "pallas", why)
+      if out is None:
+        out = _reference_with_dropout(q, k, v, ops.dense_mask(mask), bias, scale, dropout, rng)
     else:
       out = ops.dot_product_attention(q, k, v, mask=mask, bias=bias, scale=scale, implementation=cfg.attention)
     out = constrain(out, ("act_batch", "act_length", "act_heads", "act_kv"))  # [b, t, h, d]
@@ -113,7 +117,8 @@ class Attention(nn.Module):
 
 
 def _reference_with_dropout(q, k, v, mask, bias, scale, rate, rng):
-  """Einsum attention with dropout on the probabilities (the fused kernels have none)."""
+  """Einsum attention with dropout on the probabilities (where the Pallas dropout kernel cannot
+  run: `tfx.ops.flash_dropout`)."""
   scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) * scale
   if bias is not None:
     scores = scores + bias

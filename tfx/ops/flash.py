@@ -168,10 +168,14 @@ def shards() -> tuple[int, int]:
   return ways(spec[0]), ways(spec[2])
 
 
-def per_device(kernel, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array) -> jax.Array:
-  """`kernel(q, k, v, ids)` on each device's shard of the rows and heads (`jax.shard_map` over the
-  activations' logical sharding: batch over the data axes, heads over `tensor`) when the current
-  mesh has more than one device, else on the whole arrays; padding queries (segment 0) give zeros.
+def per_device(kernel, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array, *replicated: jax.Array,
+               offsets: bool = False) -> jax.Array:
+  """`kernel(q, k, v, ids, *replicated)` on each device's shard of the rows and heads
+  (`jax.shard_map` over the activations' logical sharding: batch over the data axes, heads over
+  `tensor`; `replicated` operands whole on every device) when the current mesh has more than one
+  device, else on the whole arrays; padding queries (segment 0) give zeros. With `offsets`, the
+  kernel also gets the global index of its first row and first head (int32 scalars; 0 and 0
+  without a mesh), for what it draws from global positions.
 
   The segment-id kernels let padding queries attend padding keys (both segment 0): their outputs
   are zeroed, as the mask allows them nothing (their zero cotangent also keeps them out of dK and
@@ -182,17 +186,32 @@ def per_device(kernel, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array)
   call on a 2x2x2 mesh). Attention needs no communication across rows or heads, so each device
   runs the kernel on its own.
   """
+  found = _activation_spec()
 
-  def zeroed(q, k, v, ids):  # [b', t, h', d], ids [b', t]
-    out = kernel(q, k, v, ids)  # [b', t, h', d]
+  def zeroed(q, k, v, ids, *replicated):  # [b', t, h', d], ids [b', t]
+    extra = ()
+    if offsets:
+      extra = (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+      if found is not None:
+        extra = tuple(_shard_index(found[1][dim]) * q.shape[dim] for dim in (0, 2))
+    out = kernel(q, k, v, ids, *replicated, *extra)  # [b', t, h', d]
     return jnp.where((ids > 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
 
   ids = ids.astype(jnp.int32)
-  found = _activation_spec()
   if found is None:
-    return zeroed(q, k, v, ids)
+    return zeroed(q, k, v, ids, *replicated)
   from jax.sharding import PartitionSpec  # noqa: PLC0415
 
   _, spec = found  # [b, t, h, d]
   rows = PartitionSpec(*spec[:2])  # [b, t]
-  return jax.shard_map(zeroed, in_specs=(spec, spec, spec, rows), out_specs=spec, check_vma=False)(q, k, v, ids)
+  whole = (PartitionSpec(),) * len(replicated)
+  return jax.shard_map(zeroed, in_specs=(spec, spec, spec, rows, *whole), out_specs=spec,
+                       check_vma=False)(q, k, v, ids, *replicated)
+
+
+def _shard_index(axes) -> jax.Array:
+  """int32: this device's index along mesh axes that shard one dimension (None, a name or a
+  tuple of names, major first, as a PartitionSpec entry gives them); 0 for None."""
+  if axes is None:
+    return jnp.zeros((), jnp.int32)
+  return jax.lax.axis_index(axes).astype(jnp.int32)

@@ -1,0 +1,235 @@
+"""tfx's Pallas flash attention with dropout (`tfx.ops.flash_dropout`; the kernels interpreted on
+this CPU): values and gradients against XLA attention that drops the same scores
+(`keep_mask`), nothing flowing from a future or a padding token, the keep bits' statistics, a
+draw that neither the block size nor the mesh changes, and a model's wiring (the log line, the
+step's seed) with `model.attention=pallas`."""
+
+import json
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT, tiny_config
+from tests.test_ops import random_packed
+from tfx import ops
+from tfx.models import build_model
+from tfx.ops import attention as attn
+from tfx.ops import flash_dropout as fd
+
+
+def reference(q, k, v, seg, *, causal, scale, rate, seed, first_row=0, first_head=0):
+  """XLA attention over the segment mask dropping what `keep_mask` drops; padding queries zero."""
+  b, t, h, _ = q.shape
+  if k.shape[2] != h:
+    k, v = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
+  scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) * scale  # [b, h, t, s]
+  scores = jnp.where(ops.SegmentMask(seg, causal).dense(), scores, fd.MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1)
+  keep = fd.keep_mask(seed, (b, h, t, t), rate, first_row, first_head)
+  probs = jnp.where(keep, probs / fd.keep_probability(rate), 0.0).astype(v.dtype)
+  out = jnp.einsum("bhts,bshd->bthd", probs, v)
+  return jnp.where((seg > 0)[:, :, None, None], out, 0.0)
+
+
+def _qkv(rng, b, t, h, kh, d=16):
+  q = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(b, t, kh, d)), jnp.float32) for _ in range(2))
+  return q, k, v
+
+
+CASES = {  # (b, t, heads, kv heads, causal, max documents, max padding, rate); t = 48: three 16-blocks
+    "causal_packed": (2, 48, 2, 2, True, 4, 0, 0.1),
+    "causal_padded": (2, 48, 2, 2, True, 2, 20, 0.3),
+    "bidirectional_packed_padded": (2, 48, 2, 2, False, 3, 9, 0.1),
+    "grouped_query_heads": (2, 32, 4, 2, True, 3, 5, 0.5),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_is_xla_attention_dropping_the_same_scores(case):
+  """Output and q/k/v gradients equal XLA's attention under the same keep bits; padding queries
+  give zeros and padding keys get no gradient; under a causal mask no query's output depends on a
+  later key or value (every one of those gradients is exactly zero)."""
+  b, t, h, kh, causal, docs, pad, rate = CASES[case]
+  rng = np.random.default_rng(len(case))
+  seg = jnp.asarray(random_packed(rng, b, t, max_docs=docs, pad=pad)[0])
+  seg = seg.at[0, -pad:].set(0) if pad else seg
+  q, k, v = _qkv(rng, b, t, h, kh)
+  cot = jnp.asarray(rng.normal(size=(b, t, h, 16)), jnp.float32)
+  seed = jnp.uint32(2024 + len(case))
+  kernel = lambda q, k, v: fd.dropout_flash_attention(q, k, v, seg, causal=causal, scale=0.25, rate=rate, seed=seed)
+  xla = lambda q, k, v: reference(q, k, v, seg, causal=causal, scale=0.25, rate=rate, seed=seed)
+  grads = lambda fn: jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * cot), argnums=(0, 1, 2)))
+
+  out = jax.jit(kernel)(q, k, v)
+  np.testing.assert_allclose(out, xla(q, k, v), atol=2e-5, rtol=2e-5)
+  assert not np.any(np.asarray(out)[~np.asarray(seg > 0)]), "padding queries must give zeros"
+  (got_loss, got), (want_loss, want) = grads(kernel)(q, k, v), grads(xla)(q, k, v)
+  np.testing.assert_allclose(got_loss, want_loss, atol=1e-4)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5)
+  padding = ~np.asarray(seg > 0)
+  assert not np.any(np.asarray(got[1])[padding]) and not np.any(np.asarray(got[2])[padding])
+  if causal:  # query 20's output: the keys and values after it get exactly zero gradient
+    at = lambda k, v: jnp.sum(kernel(q, k, v)[:, 20])
+    d_k, d_v = jax.grad(at, argnums=(0, 1))(k, v)
+    assert not np.any(np.asarray(d_k)[:, 21:]) and not np.any(np.asarray(d_v)[:, 21:])
+    assert np.any(np.asarray(d_v)[:, :21])
+
+
+def test_rate_zero_is_attention_without_dropout():
+  rng = np.random.default_rng(3)
+  seg = jnp.asarray(random_packed(rng, 2, 32, max_docs=3, pad=4)[0])
+  q, k, v = _qkv(rng, 2, 32, 2, 2)
+  got = fd.dropout_flash_attention(q, k, v, seg, causal=True, scale=0.25, rate=0.0, seed=jnp.uint32(1))
+  want = ops.dot_product_attention(q, k, v, mask=ops.SegmentMask(seg, True).dense(), scale=0.25, implementation="xla")
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5])
+def test_keep_bits_are_fair_and_independent(rate):
+  """Over 2**20 scores: the kept share is P(keep) within 5 standard errors, and so is the share of
+  pairs kept together at neighbouring queries, neighbouring keys, the next head, the next row and
+  the next seed (independent draws: P(keep)**2); one seed's mask is the same array again."""
+  p = fd.keep_probability(rate)
+  assert abs(p - (1 - rate)) < 2**-22
+  keep = np.asarray(fd.keep_mask(jnp.uint32(7), (4, 4, 256, 256), rate))  # [b, h, t, s]
+  n = keep.size
+  assert abs(keep.mean() - p) < 5 * np.sqrt(p * (1 - p) / n), keep.mean()
+  other = np.asarray(fd.keep_mask(jnp.uint32(8), (4, 4, 256, 256), rate))
+  pairs = {"query": (keep[:, :, 1:], keep[:, :, :-1]), "key": (keep[..., 1:], keep[..., :-1]),
+           "head": (keep[:, 1:], keep[:, :-1]), "row": (keep[1:], keep[:-1]), "seed": (keep, other)}
+  for name, (a, b) in pairs.items():
+    both = np.mean(a & b)
+    assert abs(both - p * p) < 5 * np.sqrt(p * p * (1 - p * p) / a.size), (name, both, p * p)
+  np.testing.assert_array_equal(keep, fd.keep_mask(jnp.uint32(7), (4, 4, 256, 256), rate))
+
+
+def test_the_draw_is_the_same_for_every_block_size():
+  """The forward and backward kernels at 16-, 32- and 64-token blocks give the same output and
+  gradients (bitwise for the output of blocks that see the same keys in the same order: compared
+  to float32 rounding here), as the keep bits come from global positions, not from blocks."""
+  rng = np.random.default_rng(11)
+  seg = jnp.asarray(random_packed(rng, 2, 64, max_docs=3, pad=6)[0])
+  q, k, v = _qkv(rng, 2, 64, 2, 2)
+  seeds = jnp.asarray([99, 0, 0, 0], jnp.int32)
+  results = []
+  for block in (16, 32, 64):
+    static = fd._Static(scale=0.25, causal=True, rate=0.2, block=block, back=block, interpret=True)
+    attend = lambda q, k, v, static=static: fd._attend(q, k, v, seg, seeds, static)
+    results.append([attend(q, k, v), *jax.grad(lambda *a: jnp.sum(attend(*a) ** 2), argnums=(0, 1, 2))(q, k, v)])
+  for other in results[1:]:
+    for got, want in zip(other, results[0]):
+      np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+_SHARDED_SCRIPT = r"""
+import json, os, sys
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+import jax, jax.numpy as jnp, ml_collections, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from tfx import parallel
+from tfx.ops import flash_dropout as fd
+
+mesh = parallel.make_mesh(ml_collections.ConfigDict(dict(data=2, fsdp=2, tensor=2)))
+rng = np.random.default_rng(0)
+t = 32
+q, k, v = (jnp.asarray(rng.normal(size=(4, t, 4, 16)), jnp.float32) for _ in range(3))
+seg = jnp.asarray(np.repeat([[1] * 20 + [2] * 8 + [0] * 4], 4, 0), jnp.int32)
+seed = jnp.uint32(31)
+attend = lambda q, k, v, s: fd.dropout_flash_attention(q, k, v, s, causal=True, scale=0.25, rate=0.3, seed=seed)
+loss = lambda q, k, v, s: jnp.sum(attend(q, k, v, s) ** 2)
+want = [attend(q, k, v, seg), *jax.grad(loss, argnums=(0, 1, 2))(q, k, v, seg)]
+with parallel.context(mesh):
+  heads = NamedSharding(mesh, P(parallel.BATCH_AXES, None, "tensor", None))
+  args = [jax.device_put(x, heads) for x in (q, k, v)] + [jax.device_put(seg, parallel.batch_sharding(mesh))]
+  forward = jax.jit(attend)
+  got = [forward(*args), *jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)]
+  hlo = forward.lower(*args).compile().as_text()
+print(json.dumps({"diff": [float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(got, want)],
+                  "gathers": hlo.count("all-gather("), "out_sharding": str(got[0].sharding.spec)}))
+"""
+
+
+def test_a_mesh_draws_the_one_device_mask(tmp_path):
+  """On 8 fake devices (rows over 2x2 data x FSDP, heads over 2 tensor shards) each device draws
+  the keep bits of its global rows and heads: the output equals one device's bitwise (a shard
+  drawing another's bits would be off by whole probabilities), the gradients to float32 rounding
+  (delta = rowsum(dO * O) is summed by XLA in another order on a shard), with no all-gather in the
+  forward pass."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, capture_output=True, text=True, timeout=600,
+                        cwd=str(tmp_path))
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert out["diff"][0] == 0.0 and max(out["diff"]) < 1e-5, out
+  assert out["gathers"] == 0, out
+  assert out["out_sharding"] == "P(('data', 'fsdp'), None, 'tensor', None)", out
+
+
+def test_a_model_draws_its_dropout_in_the_kernel(monkeypatch):
+  """A BERT-style encoder with attention dropout and model.attention=pallas (a GPU faked for the
+  choice) runs the kernel at every layer, logged with its reason; its training-mode logits and
+  gradients equal those of the same model whose kernel is replaced by the XLA reference drawing
+  the same keep bits (the step's seed reaches the kernel as it reaches the reference); and two
+  dropout keys give different logits."""
+  monkeypatch.setattr(attn, "_on_gpu", lambda: True)
+  length, vocab = 32, 97
+  cfg = tiny_config("--config.model.family=encoder", "--config.model.num_layers=2", "--config.model.d_model=32",
+                    "--config.model.d_ff=64", "--config.model.num_heads=2", "--config.model.attention=pallas",
+                    "--config.model.attention_dropout=0.2")
+  model = build_model(cfg.model, vocab_size=vocab, max_length=length)
+  params = nn.unbox(model.init(jax.random.key(0), **type(model).init_inputs(1, length))["params"])
+  rng = np.random.default_rng(7)
+  seg, pos = (jnp.asarray(a) for a in random_packed(rng, 2, length, max_docs=3, pad=6))
+  tokens = jnp.asarray(rng.integers(4, vocab, (2, length)), jnp.int32)
+  cot = jnp.asarray(rng.normal(size=(2, length, vocab)), jnp.float32) * (seg > 0)[..., None]
+
+  def run(key):
+    def f(p):
+      out = model.apply({"params": p}, tokens, seg, pos, train=True, rngs={"dropout": key})
+      logits = out[0] if isinstance(out, tuple) else out
+      return jnp.sum(logits.astype(jnp.float32) * cot), logits
+
+    return jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+
+  with attn.recorded_choices() as chosen:
+    (_, got), got_grads = run(jax.random.key(1))
+  assert set(chosen) == {("pallas", "GPU, segment ids; dropout 0.2 drawn in the kernel")}, chosen
+  (_, other), _ = run(jax.random.key(2))
+  assert np.mean(np.abs(np.asarray(got - other))) > 1e-3
+
+  def xla_twin(q, k, v, segment_ids, *, causal, scale, rate, seed):
+    return reference(q, k, v, segment_ids, causal=causal, scale=scale, rate=rate, seed=seed)
+
+  monkeypatch.setattr(fd, "dropout_flash_attention", xla_twin)
+  (_, want), want_grads = run(jax.random.key(1))
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+
+
+def test_what_the_kernel_refuses_goes_to_xla(monkeypatch):
+  """Off a GPU, for 'auto', a dense mask, a bias or an odd head dim the caller gets no output and
+  a reason (it then runs XLA's attention with dropout)."""
+  rng = np.random.default_rng(1)
+  seg = jnp.asarray(random_packed(rng, 2, 32, max_docs=2, pad=0)[0])
+  q, k, v = _qkv(rng, 2, 32, 2, 2)
+  key = jax.random.key(0)
+  run = lambda impl, mask=ops.SegmentMask(seg, True), bias=None, q=q, k=k, v=v: fd.fused_dropout_attention(
+      q, k, v, mask, bias, 0.25, 0.1, key, impl)
+  assert run("pallas") == (None, "model.attention_dropout=0.1: Pallas dropout attention needs a GPU: no GPU (backend cpu)")
+  monkeypatch.setattr(attn, "_on_gpu", lambda: True)
+  assert run("auto")[0] is None and "model.attention=pallas" in run("auto")[1]
+  assert "dense mask" in run("pallas", mask=ops.SegmentMask(seg, True).dense())[1]
+  assert "bias" in run("pallas", bias=jnp.zeros((1, 2, 32, 32)))[1]
+  odd = [x[..., :12] for x in (q, k, v)]
+  assert "power of two" in run("pallas", q=odd[0], k=odd[1], v=odd[2])[1]
+  out, why = run("pallas")
+  assert out.shape == q.shape and why == "GPU, segment ids; dropout 0.1 drawn in the kernel"

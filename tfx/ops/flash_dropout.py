@@ -1,0 +1,356 @@
+"""Flash attention with dropout on its probabilities, as Pallas kernels of tfx's own
+(`model.attention=pallas` with `model.attention_dropout > 0`).
+
+The papers' configs keep attention dropout (BERT, RoBERTa, ELECTRA, BART: 0.1). No fused kernel
+JAX exposes applies it (cuDNN's fMHA has dropout, but JAX's API takes its seed as a compile-time
+constant: the same mask every step), so those configs ran XLA's attention, which writes and reads
+[b, h, t, s] scores, probabilities and a keep mask several times a layer (BERT-base's own step
+for an H100 at 32 rows: 113.3 GB a step against 43.3 with dropout off). These kernels draw the
+keep mask inside the kernel from a counter hash and never write it, nor any [b, h, t, s] array.
+
+What they compute (the same as `tfx.nn.attention._reference_with_dropout` over a `SegmentMask`,
+with a different random stream): p = softmax(q k^T * scale) over the keys a query may attend
+(its own segment; at or before it when causal), out = (p * keep / P(keep)) v. The keep bit of
+score (row, head, query, key) is `keep_mask`: a hash of the step's seed, the *global* row and
+head (a shard adds its offsets) and the query and key positions, so that every mesh, block
+size and kernel draws the same mask, the backward kernels draw it again bit for bit, and the
+tests rebuild it in XLA. It is not the stream XLA's path draws (`jax.random.bernoulli`): turning
+the kernel on changes which probabilities are dropped, not how many on average.
+
+Kernels (each program one (block, row, head)): the forward pass keeps an online softmax over
+key blocks and returns the output and each query's log-sum-exp; the backward pass runs one
+kernel over key blocks (dK, dV, looping over the queries) and one over query blocks (dQ,
+looping over the keys), recomputing the probabilities from the log-sum-exp, with
+delta = rowsum(dO * O) (which dropout leaves valid: rowsum(dP * P) over the dropped matrix is
+rowsum(dO * (P_dropped V))). Off a GPU they run in Pallas' interpreter (slow, exact): the tests.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+from jax.experimental import pallas as pl
+
+from tfx.ops import flash, target
+
+# Large finite negative for masked scores (as `tfx.ops.attention.MASK_VALUE`: a block whose keys
+# are all masked gives weights that the next block's correction then zeroes).
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# A keep bit compares the hash's top 23 bits with the rate.
+_BITS = 23
+_GOLDEN = 0x9E3779B9
+
+
+def _mix(x: jax.Array) -> jax.Array:
+  """A bijection of uint32 that spreads every input bit over the output (the 'lowbias32'
+  multipliers and shifts found by Wellons' hash prospector)."""
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x7FEB352D)
+  x = x ^ (x >> 15)
+  x = x * jnp.uint32(0x846CA68B)
+  return x ^ (x >> 16)
+
+
+def _stream(seed: jax.Array, row: jax.Array, head: jax.Array) -> jax.Array:
+  """The uint32 key of one (global row, head)'s scores under one seed (any broadcastable shapes)."""
+  row = lax.convert_element_type(row, jnp.uint32)
+  head = lax.convert_element_type(head, jnp.uint32)
+  return _mix(_mix(seed ^ _mix(row + jnp.uint32(_GOLDEN))) + head)
+
+
+def _threshold(rate: float) -> int:
+  """Scores whose hash's top bits fall below this are dropped: P(drop) = threshold / 2**23."""
+  return int(round(rate * (1 << _BITS)))
+
+
+def keep_probability(rate: float) -> float:
+  """P(keep) of a score at dropout `rate`, exactly as the 23-bit threshold draws it."""
+  return 1.0 - _threshold(rate) / (1 << _BITS)
+
+
+def _kept(key: jax.Array, query: jax.Array, key_pos: jax.Array, keys: int, threshold: int) -> jax.Array:
+  """Keep bits of scores at (query, key_pos) positions (int32, broadcast against each other) of
+  the stream `key`, over rows of `keys` keys."""
+  counter = lax.convert_element_type(query * keys + key_pos, jnp.uint32)
+  bits = _mix(_mix(counter ^ key) + key)
+  return lax.convert_element_type(bits >> (32 - _BITS), jnp.int32) >= threshold
+
+
+def keep_mask(seed: jax.Array, shape: tuple[int, int, int, int], rate: float, first_row: int = 0,
+              first_head: int = 0) -> jax.Array:
+  """bool [b, h, t, s]: the keep bits the kernels draw for rows first_row.. and heads
+  first_head.. of a batch under `seed` (uint32 scalar), built in XLA (for tests and references)."""
+  b, h, t, s = shape
+  rows = first_row + lax.broadcasted_iota(jnp.int32, (b, h, 1, 1), 0)
+  heads = first_head + lax.broadcasted_iota(jnp.int32, (b, h, 1, 1), 1)
+  query = lax.broadcasted_iota(jnp.int32, (1, 1, t, s), 2)
+  key_pos = lax.broadcasted_iota(jnp.int32, (1, 1, t, s), 3)
+  return _kept(_stream(seed, rows, heads), query, key_pos, s, _threshold(rate))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """The kernels' compile-time parameters."""
+
+  scale: float
+  causal: bool
+  rate: float
+  block: int  # the forward kernel's query and key blocks
+  back: int  # the backward kernels' blocks
+  interpret: bool
+
+  @property
+  def threshold(self) -> int:
+    return _threshold(self.rate)
+
+  @property
+  def keep_scale(self) -> float:  # 1 / P(keep)
+    return 1.0 / keep_probability(self.rate)
+
+
+def _program_stream(seeds_ref) -> jax.Array:
+  """This program's stream key: seeds_ref holds (seed, first row, first head, 0) of the shard."""
+  seed = lax.convert_element_type(seeds_ref[0], jnp.uint32)
+  return _stream(seed, seeds_ref[1] + pl.program_id(1), seeds_ref[2] + pl.program_id(2))
+
+
+def _scores(q, k, q_ids, k_ids, q0, k0, static: _Static):
+  """f32 [bq, bk] masked scores of a query block starting at q0 over a key block starting at k0,
+  and the positions (query [bq, 1], key [1, bk]) the keep bits are drawn at."""
+  s = _dot(q, k, transpose_b=True) * static.scale  # [bq, bk]
+  query = q0 + lax.broadcasted_iota(jnp.int32, (q.shape[0], 1), 0)  # [bq, 1]
+  key_pos = k0 + lax.broadcasted_iota(jnp.int32, (1, k.shape[0]), 1)  # [1, bk]
+  allowed = q_ids[:, None] == k_ids[None, :]  # [bq, bk]
+  if static.causal:
+    allowed = allowed & (query >= key_pos)
+  return jnp.where(allowed, s, MASK_VALUE), query, key_pos
+
+
+def _dot(a, b, *, transpose_a=False, transpose_b=False):
+  """a @ b (either transposed) accumulated in float32."""
+  dims = (((0,) if transpose_a else (1,), (1,) if transpose_b else (0,)), ((), ()))
+  return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _forward_kernel(seeds_ref, q_ref, k_ref, v_ref, ids_ref, o_ref, lse_ref, *, static: _Static):
+  block, t = static.block, k_ref.shape[0]
+  key = _program_stream(seeds_ref)
+  q0 = pl.program_id(0) * block
+  q = q_ref[...]  # [bq, d]
+  q_ids = ids_ref[pl.ds(q0, block)]  # [bq]
+
+  def body(j, carry):
+    acc, m, l = carry  # [bq, d], [bq], [bq]
+    k0 = j * block
+    k = k_ref[pl.ds(k0, block), :]  # [bk, d]
+    s, query, key_pos = _scores(q, k, q_ids, ids_ref[pl.ds(k0, block)], q0, k0, static)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    correction = jnp.exp(m - m_new)  # [bq]
+    w = jnp.exp(s - m_new[:, None])  # [bq, bk] unnormalised probabilities
+    l = correction * l + jnp.sum(w, axis=1)
+    w = jnp.where(_kept(key, query, key_pos, t, static.threshold), w, 0.0)
+    v = v_ref[pl.ds(k0, block), :]  # [bk, d]
+    acc = correction[:, None] * acc + _dot(w.astype(v.dtype), v)
+    return acc, m_new, l
+
+  blocks = (q0 + block) // block if static.causal else t // block
+  init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block,), -jnp.inf, jnp.float32), jnp.zeros((block,), jnp.float32))
+  acc, m, l = lax.fori_loop(0, blocks, body, init)
+  o_ref[...] = (acc * (static.keep_scale / l)[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = m + jnp.log(l)
+
+
+def _recomputed(key, q, k, q_ids, k_ids, lse, q0, k0, t, static: _Static):
+  """(probabilities p [bq, bk], keep bits) of one block pair, from the forward pass' log-sum-exp."""
+  s, query, key_pos = _scores(q, k, q_ids, k_ids, q0, k0, static)
+  return jnp.exp(s - lse[:, None]), _kept(key, query, key_pos, t, static.threshold)
+
+
+def _grad_scores(p, kept, do, v, delta, static: _Static):
+  """(dropped probabilities, d scores) of one block pair: [bq, bk] each."""
+  dropped = jnp.where(kept, p * static.keep_scale, 0.0)
+  dp = jnp.where(kept, _dot(do, v, transpose_b=True) * static.keep_scale, 0.0)  # [bq, bk]
+  return dropped, p * (dp - delta[:, None])
+
+
+def _dkv_kernel(seeds_ref, q_ref, k_ref, v_ref, ids_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
+                static: _Static):
+  block, t = static.back, q_ref.shape[0]  # self-attention: as many keys as queries
+  key = _program_stream(seeds_ref)
+  k0 = pl.program_id(0) * block
+  k, v = k_ref[...], v_ref[...]  # [bk, d] each
+  k_ids = ids_ref[pl.ds(k0, block)]
+
+  def body(i, carry):
+    dk, dv = carry  # [bk, d] f32 each
+    q0 = i * block
+    q, do = q_ref[pl.ds(q0, block), :], do_ref[pl.ds(q0, block), :]  # [bq, d] each
+    p, kept = _recomputed(key, q, k, ids_ref[pl.ds(q0, block)], k_ids, lse_ref[pl.ds(q0, block)], q0, k0, t, static)
+    dropped, ds = _grad_scores(p, kept, do, v, delta_ref[pl.ds(q0, block)], static)
+    dv = dv + _dot(dropped.astype(do.dtype), do, transpose_a=True)
+    dk = dk + _dot(ds.astype(q.dtype), q, transpose_a=True)
+    return dk, dv
+
+  first = k0 // block if static.causal else 0  # causal: no earlier query sees this key block
+  zeros = jnp.zeros(k.shape, jnp.float32)
+  dk, dv = lax.fori_loop(first, t // block, body, (zeros, zeros))
+  dk_ref[...] = (dk * static.scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(seeds_ref, q_ref, k_ref, v_ref, ids_ref, do_ref, lse_ref, delta_ref, dq_ref, *, static: _Static):
+  block, t = static.back, k_ref.shape[0]
+  key = _program_stream(seeds_ref)
+  q0 = pl.program_id(0) * block
+  q, do = q_ref[...], do_ref[...]  # [bq, d] each
+  q_ids, lse, delta = ids_ref[pl.ds(q0, block)], lse_ref[...], delta_ref[...]
+
+  def body(j, dq):
+    k0 = j * block
+    k, v = k_ref[pl.ds(k0, block), :], v_ref[pl.ds(k0, block), :]  # [bk, d] each
+    p, kept = _recomputed(key, q, k, q_ids, ids_ref[pl.ds(k0, block)], lse, q0, k0, t, static)
+    _, ds = _grad_scores(p, kept, do, v, delta, static)
+    return dq + _dot(ds.astype(k.dtype), k)
+
+  blocks = (q0 + block) // block if static.causal else t // block
+  dq = lax.fori_loop(0, blocks, body, jnp.zeros(q.shape, jnp.float32))
+  dq_ref[...] = (dq * static.scale).astype(dq_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _call(kernel, static: _Static, block: int, out_shape: tuple, blocked: tuple[bool, ...], seeds, *operands):
+  """pallas_call of `kernel` over (t // block, b, h). Each of the outputs, then of the operands,
+  is either `blocked` (program i gets positions i * block..) or whole along t, per (row, head):
+  [b, t, h, d] activations, [b, t] segment ids, [b, h, t] softmax statistics.
+
+  Under jit, as a call JAX can drop: a bare pallas_call survives dead-code elimination, and under
+  a remat policy that keeps the forward kernel's named outputs the forward kernel then ran twice
+  (BERT-base's step for an H100: four Triton kernels a layer where three do)."""
+  b, t, h, d = operands[0].shape
+
+  def spec(shape: tuple[int, ...], blocked: bool) -> pl.BlockSpec:
+    length = block if blocked else t
+    if len(shape) == 4:  # [b, t, h, d]
+      return pl.BlockSpec((None, length, None, d), lambda i, j, k: (j, i if blocked else 0, k, 0))
+    if len(shape) == 3:  # [b, h, t]
+      return pl.BlockSpec((None, None, length), lambda i, j, k: (j, k, i if blocked else 0))
+    return pl.BlockSpec((None, length), lambda i, j, k: (j, i if blocked else 0))  # [b, t]
+
+  outputs = len(out_shape)
+  in_specs = [pl.BlockSpec((4,), lambda i, j, k: (0,))]  # the seeds, whole
+  in_specs += [spec(x.shape, flag) for x, flag in zip(operands, blocked[outputs:])]
+  out_specs = [spec(x.shape, flag) for x, flag in zip(out_shape, blocked[:outputs])]
+  from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415  (compiler parameters only)
+
+  return pl.pallas_call(
+      functools.partial(kernel, static=static), grid=(t // block, b, h), in_specs=in_specs, out_specs=out_specs,
+      out_shape=out_shape, interpret=static.interpret, name=f"tfx_{kernel.__name__.strip('_')}",
+      compiler_params=plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2),
+  )(seeds, *operands)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attend(q, k, v, ids, seeds, static: _Static):
+  return _attend_fwd(q, k, v, ids, seeds, static)[0]
+
+
+def _attend_fwd(q, k, v, ids, seeds, static: _Static):
+  b, t, h, _ = q.shape
+  stats = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
+  # blocked: outputs (o, lse), then inputs (q, k, v, ids)
+  out, lse = _call(_forward_kernel, static, static.block, (jax.ShapeDtypeStruct(q.shape, q.dtype), stats),
+                   (True, True, True, False, False, False), seeds, q, k, v, ids)  # [b, t, h, d], [b, h, t]
+  out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_out")
+  return out, (q, k, v, ids, seeds, out, lse)
+
+
+def _attend_bwd(static: _Static, residuals, d_out):
+  q, k, v, ids, seeds, out, lse = residuals
+  delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))  # [b, h, t]
+  d_out = d_out.astype(q.dtype)
+  operands = (q, k, v, ids, d_out, lse, delta)
+  like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+  # dK, dV: blocked over keys; every query read. dQ: blocked over queries; every key read.
+  d_k, d_v = _call(_dkv_kernel, static, static.back, (like(k), like(v)),
+                   (True, True, False, True, True, False, False, False, False), seeds, *operands)
+  (d_q,) = _call(_dq_kernel, static, static.back, (like(q),),
+                 (True, True, False, False, False, True, True, True), seeds, *operands)
+  return d_q, d_k, d_v, None, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def unsupported(q: jax.Array, k: jax.Array, mask, bias) -> str | None:
+  """Why these kernels cannot compute this attention (a short reason), or None if they can."""
+  refused = flash.unsupported(q, k, mask, bias)
+  if refused is not None:
+    return refused
+  d = q.shape[-1]
+  if d < 16 or d & (d - 1):
+    return f"its head dim must be a power of two >= 16, got {d}"
+  return None
+
+
+def dropout_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool,
+                            scale: float, rate: float, seed: jax.Array, interpret: bool | None = None) -> jax.Array:
+  """Attention of each token over its own segment (and, when `causal`, at or before it) with
+  dropout at `rate` on the probabilities; padding (segment 0) queries give zeros.
+
+  Args:
+    q: [b, t, h, d]; k, v: [b, t, k, d] (k divides h: grouped-query heads are repeated).
+    segment_ids: [b, t] int, 0 = padding.
+    causal: whether key j > query i is masked.
+    scale: the score scale.
+    rate: the dropout rate, in [0, 1).
+    seed: uint32 scalar, this call's (a fresh one per step and layer: `jax.random.bits`).
+    interpret: run Pallas' interpreter; default: off a GPU.
+
+  Returns:
+    [b, t, h, d] in q's dtype: `keep_mask(seed, ...)` applied to the probabilities, kept ones
+    scaled by 1 / P(keep).
+  """
+  if not 0.0 <= rate < 1.0:
+    raise ValueError(f"attention dropout must be in [0, 1), got {rate}")
+  b, t, h, d = q.shape
+  block = flash.block_length(t)
+  if block is None:
+    raise ValueError(f"flash attention needs a row length that is a multiple of {flash.BLOCKS[-1]}, got {t}")
+  if k.shape[2] != h:  # grouped-query heads: each key/value head serves h // k query heads
+    k = jnp.repeat(k, h // k.shape[2], axis=2)  # [b, t, h, d]
+    v = jnp.repeat(v, h // v.shape[2], axis=2)  # [b, t, h, d]
+  static = _Static(scale=float(scale), causal=causal, rate=float(rate), block=block,
+                   back=min(block, flash.BACKWARD_BLOCK),
+                   interpret=target.backend() != "gpu" if interpret is None else interpret)
+  seed = lax.convert_element_type(seed, jnp.int32)  # the bits travel as int32 (the kernels' scalar operands)
+
+  def kernel(q, k, v, ids, seed, first_row, first_head):  # one device's rows and heads: [b', t, h', d], ids [b', t]
+    seeds = jnp.stack([seed, first_row, first_head, jnp.zeros((), jnp.int32)])  # [4] int32
+    return _attend(q, k, v, ids, seeds, static)  # [b', t, h', d]
+
+  return flash.per_device(kernel, q, k, v, segment_ids, seed, offsets=True)
+
+
+def fused_dropout_attention(q, k, v, mask, bias, scale: float, rate: float, rng: jax.Array,
+                            implementation: str) -> tuple[jax.Array | None, str]:
+  """(output, why): these kernels' attention with dropout when `implementation` picks the Pallas
+  kernel here (`tfx.ops.choose_implementation`) and they can take the inputs; else (None, why
+  not), and the caller runs XLA's attention with dropout."""
+  from tfx.ops import attention  # noqa: PLC0415  (attention imports this module's siblings)
+
+  impl, why = attention.choose_implementation(implementation, q.dtype, q.shape[-1])
+  if impl != "pallas":
+    if implementation == "pallas":
+      return None, f"model.attention_dropout={rate}: Pallas dropout attention needs a GPU: {why}"
+    return None, f"model.attention_dropout={rate}: of the fused kernels only Pallas' applies dropout (model.attention=pallas)"
+  refused = unsupported(q, k, mask, bias)
+  if refused is not None:
+    return None, f"model.attention_dropout={rate}: Pallas dropout attention refused: {refused}"
+  seed = jax.random.bits(rng, (), jnp.uint32)
+  out = dropout_flash_attention(q, k, v, mask.segment_ids, causal=mask.causal, scale=scale, rate=rate, seed=seed)
+  return out, f"{why}; dropout {rate} drawn in the kernel"
+
+
