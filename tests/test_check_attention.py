@@ -29,7 +29,9 @@ def test_cases_cover_the_masks_of_every_family(cases):
                    "causal_packed_runs_overflow", "prefix_lm",
                    "two_stream_content", "two_stream_query", "cross", "biased_packed", "biased_lengths",
                    "biased_causal_lengths", "biased_two_stream", "cross_lengths", "causal_padded_odd",
-                   "biased_causal_lengths_odd"]
+                   "biased_causal_lengths_odd", "causal_packed_dropout", "bidirectional_padded_dropout",
+                   "grouped_query_causal_dropout"]
+  assert [c.dropout for c in cases if c.dropout] == [0.1, 0.1, 0.3]
   by_name = {c.name: c for c in cases}
   assert [c.name for c in cases if c.bias is not None] == ["biased_packed", "biased_lengths", "biased_causal_lengths",
                                                            "biased_two_stream", "biased_causal_lengths_odd"]
@@ -53,7 +55,8 @@ def test_cases_cover_the_masks_of_every_family(cases):
 def test_every_kernel_matches_the_reference(cases, monkeypatch):
   """With a GPU faked for the choice: the Pallas kernel (interpreted) on the segment-id cases,
   XLA's attention where Pallas or cuDNN cannot run, all within float32 rounding of the reference,
-  rows with no allowed key exactly zero; the kernel that ran is reported."""
+  rows with no allowed key exactly zero; the kernel that ran is reported. The dropout cases run
+  the Pallas dropout kernel alone."""
   monkeypatch.setattr(attn, "_on_gpu", lambda: True)
   results = check_attention.run_checks(cases, ("pallas", "cudnn"))  # 'xla' is what cuDNN falls back to here
   assert all(r["ok"] for r in results), check_attention.format_results(results)
@@ -63,6 +66,8 @@ def test_every_kernel_matches_the_reference(cases, monkeypatch):
   assert ran["causal_padded", "pallas"] == "pallas (GPU, segment ids)"
   assert ran["prefix_lm", "pallas"].startswith("xla (Pallas flash attention refused")
   assert ran["cross", "cudnn"].startswith("xla (cuDNN")  # fp32: cuDNN needs bf16 / fp16
+  assert ran["causal_packed_dropout", "pallas"] == "pallas (GPU, segment ids; dropout 0.1 drawn in the kernel)"
+  assert ("causal_packed_dropout", "cudnn") not in ran
   json.dumps(results)
 
 
@@ -88,7 +93,7 @@ def test_a_wrong_kernel_fails_the_check(cases, monkeypatch, capsys, tmp_path):
   out = capsys.readouterr().out
   assert f"x {jax.devices()[0].device_kind}, float32" in out and "a row with no key is not zero" in out
   written = json.loads(path.read_text())
-  assert [r["case"] for r in written] == [c.name for c in cases]
+  assert [r["case"] for r in written] == [c.name for c in cases if not c.dropout]  # those check 'pallas' alone
   by_case = {r["case"]: r for r in written}
   assert [r["ok"] for r in written].count(False) >= 1 and not by_case["two_stream_query"]["empty_rows_zero"]
 
@@ -118,3 +123,23 @@ def test_cli_refuses_bad_arguments():
     check_attention.main(["--implementations", "flash"])
   with pytest.raises(SystemExit, match="multiple of 16"):
     check_attention.main(["--length", "40"])
+
+
+def test_a_dropout_kernel_drawing_other_bits_fails(cases, monkeypatch):
+  """A dropout kernel whose keep bits differ from what the reference draws (here: each program
+  drawing the stream of the row and head after its own) fails every dropout case; without a GPU
+  the case fails with the reason no kernel ran."""
+  from tfx.ops import flash_dropout
+
+  dropout = [c for c in cases if c.dropout]
+  (off_gpu,) = check_attention.run_checks(dropout[:1], ("pallas",))
+  assert not off_gpu["ok"] and "no dropout kernel ran" in off_gpu["error"], off_gpu
+  monkeypatch.setattr(attn, "_on_gpu", lambda: True)
+  stream = flash_dropout._program_stream
+  monkeypatch.setattr(flash_dropout, "_program_stream", lambda seeds_ref: stream(seeds_ref) + jnp.uint32(1))
+  flash_dropout._call.clear_cache()  # the kernels traced before the patch
+  try:
+    results = check_attention.run_checks(dropout, ("pallas",))
+  finally:
+    flash_dropout._call.clear_cache()
+  assert not any(r["ok"] for r in results) and all(r["out"] > 0.05 for r in results), results

@@ -23,18 +23,7 @@ from tfx.ops import attention as attn
 from tfx.ops import flash_dropout as fd
 
 
-def reference(q, k, v, seg, *, causal, scale, rate, seed, first_row=0, first_head=0):
-  """XLA attention over the segment mask dropping what `keep_mask` drops; padding queries zero."""
-  b, t, h, _ = q.shape
-  if k.shape[2] != h:
-    k, v = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
-  scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) * scale  # [b, h, t, s]
-  scores = jnp.where(ops.SegmentMask(seg, causal).dense(), scores, fd.MASK_VALUE)
-  probs = jax.nn.softmax(scores, axis=-1)
-  keep = fd.keep_mask(seed, (b, h, t, t), rate, first_row, first_head)
-  probs = jnp.where(keep, probs / fd.keep_probability(rate), 0.0).astype(v.dtype)
-  out = jnp.einsum("bhts,bshd->bthd", probs, v)
-  return jnp.where((seg > 0)[:, :, None, None], out, 0.0)
+reference = fd.reference_attention
 
 
 def _qkv(rng, b, t, h, kh, d=16):
@@ -205,10 +194,7 @@ def test_a_model_draws_its_dropout_in_the_kernel(monkeypatch):
   (_, other), _ = run(jax.random.key(2))
   assert np.mean(np.abs(np.asarray(got - other))) > 1e-3
 
-  def xla_twin(q, k, v, segment_ids, *, causal, scale, rate, seed):
-    return reference(q, k, v, segment_ids, causal=causal, scale=scale, rate=rate, seed=seed)
-
-  monkeypatch.setattr(fd, "dropout_flash_attention", xla_twin)
+  monkeypatch.setattr(fd, "dropout_flash_attention", reference)
   (_, want), want_grads = run(jax.random.key(1))
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(want_grads)):

@@ -17,10 +17,16 @@ precision from the same rounded inputs. It prints which kernel actually ran (`at
 reasons included) and the largest error relative to the largest reference
 value, and fails (exit status 1) where one is over the dtype's tolerance. Query rows with no
 allowed key (padding, the first token of a permutation's query stream) must come out as zeros.
+
+The `*_dropout` cases check `pallas` alone, the one kernel that applies attention dropout
+(`tfx.ops.flash_dropout`): its output and gradients against the reference dropping the same
+scores (`flash_dropout.keep_mask`, drawn in XLA), which also checks that the GPU compiled the
+kernel's keep-bit hash as the interpreter runs it.
 """
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 from typing import Any, Callable
@@ -30,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tfx import ops
+from tfx.ops import flash_dropout
 
 # Largest error relative to the largest reference value. Float32 allows TF32 matmuls (a GPU's
 # default precision); bf16 and fp16 keep 8 and 11 bits of mantissa in q, k, v and the output.
@@ -49,6 +56,12 @@ class Case:
   mask: Any  # ops.SegmentMask, ops.LengthMask or [b, 1, t, s] bool
   cotangent: jax.Array  # [b, t, h, d] float32
   bias: jax.Array | None = None  # [1, h, t, s] float32 (T5's) or [b, h, t, s] in q's dtype (XLNet's)
+  dropout: float = 0.0  # attention dropout (a segment-id mask; checked with 'pallas' alone)
+
+
+# The dropout cases' key: the kernel's seed is drawn from it as a model's layer draws it.
+DROPOUT_KEY = 1234
+DROPOUT_IMPLEMENTATIONS = ("pallas",)
 
 
 def _packed(rng: np.random.Generator, b: int, t: int, *, documents: int, padding: int) -> tuple[jax.Array, jax.Array]:
@@ -71,7 +84,7 @@ def make_cases(*, length: int = 128, heads: int = 4, head_dim: int = 64, batch: 
   b, t, h, d = batch, length, heads, head_dim
 
   def case(name: str, mask, kv_heads: int = h, keys: int | None = None, bias: str | None = None,
-           rows: int = t) -> Case:
+           rows: int = t, dropout: float = 0.0) -> Case:
     """bias: 'heads' (T5's [1, h, t, s] float32) or 'rows' (XLNet's position and segment terms,
     [b, h, t, s] in the inputs' dtype); rows: the query length (the key length's default)."""
     t, keys = rows, rows if keys is None else keys
@@ -80,7 +93,7 @@ def make_cases(*, length: int = 128, heads: int = 4, head_dim: int = 64, batch: 
     if bias is not None:
       rows, bias_dtype = (b, dtype) if bias == "rows" else (1, jnp.float32)
       bias = jnp.asarray(rng.normal(size=(rows, h, t, keys)), bias_dtype)
-    return Case(name, q, k, v, mask, jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32), bias)
+    return Case(name, q, k, v, mask, jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32), bias, dropout)
 
   runs = lambda ids, causal, at_most: ops.self_attention_mask(ids, causal=causal, implementation="auto",
                                                               packed_runs=at_most)
@@ -123,6 +136,10 @@ def make_cases(*, length: int = 128, heads: int = 4, head_dim: int = 64, batch: 
       case("causal_padded_odd", ops.SegmentMask(padded[:, 1:], causal=True), rows=t - 1),
       case("biased_causal_lengths_odd", ops.rows_mask(queries[:, 1:], causal=True, lengths=True), bias="heads",
            rows=t - 1),
+      # attention dropout (BERT's, GPT-2's 0.1), drawn inside the Pallas kernel
+      case("causal_packed_dropout", ops.SegmentMask(packed, causal=True), dropout=0.1),
+      case("bidirectional_padded_dropout", ops.SegmentMask(padded), dropout=0.1),
+      case("grouped_query_causal_dropout", ops.SegmentMask(padded, causal=True), kv_heads=h // 2, dropout=0.3),
   ]
 
 
@@ -140,13 +157,23 @@ def _value_and_grads(fn: Callable, case: Case):
   return [np.asarray(x, np.float32) for x in (fn(*args), *grads)]
 
 
+def _dropout_seed() -> jax.Array:
+  """The uint32 seed `flash_dropout.fused_dropout_attention` draws from `DROPOUT_KEY`."""
+  return jax.random.bits(jax.random.key(DROPOUT_KEY), (), jnp.uint32)
+
+
 def reference(case: Case) -> list[np.ndarray]:
   """Output and q, k, v gradients of the einsum attention in float32 at the highest precision;
-  rows with no allowed key are zeros (what `dot_product_attention` guarantees)."""
+  rows with no allowed key are zeros (what `dot_product_attention` guarantees); with the case's
+  dropout, the scores the Pallas kernel drops dropped."""
   mask = ops.dense_mask(case.mask)
   attends = _attends(mask)[:, :, None, None]  # [b, t, 1, 1]
 
   def fn(q, k, v, bias):
+    if case.dropout:
+      return flash_dropout.reference_attention(
+          *(x.astype(jnp.float32) for x in (q, k, v)), case.mask.segment_ids, causal=case.mask.causal,
+          scale=q.shape[-1] ** -0.5, rate=case.dropout, seed=_dropout_seed())
     out = ops.reference_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask=mask,
                                   bias=bias)
     return jnp.where(attends, out, 0.0)
@@ -159,6 +186,8 @@ def check_case(case: Case, implementation: str, want: list[np.ndarray]) -> dict[
   """Runs one kernel on one case; returns the kernel that ran and its relative errors."""
   fn = jax.jit(lambda q, k, v, bias: ops.dot_product_attention(q, k, v, mask=case.mask, bias=bias,
                                                                 implementation=implementation))
+  if case.dropout:
+    fn = jax.jit(functools.partial(_with_dropout, case, implementation))
   with ops.recorded_choices() as chosen:
     got = _value_and_grads(fn, case)
   errors = {name: float(np.max(np.abs(g - w)) / max(float(np.max(np.abs(w))), 1e-30))
@@ -172,14 +201,25 @@ def check_case(case: Case, implementation: str, want: list[np.ndarray]) -> dict[
           **errors, "nonfinite": nonfinite, "empty_rows_zero": empty_rows_zero, "ok": ok}
 
 
+def _with_dropout(case: Case, implementation: str, q, k, v, bias):
+  """The dropout kernel as a model's attention layer calls it; an error if it does not run."""
+  out, why = flash_dropout.fused_dropout_attention(q, k, v, case.mask, bias, q.shape[-1] ** -0.5, case.dropout,
+                                                   jax.random.key(DROPOUT_KEY), implementation)
+  if out is None:
+    raise RuntimeError(f"no dropout kernel ran: {why}")
+  ops.log_choice(implementation, why)
+  return out
+
+
 def run_checks(cases: list[Case], implementations: tuple[str, ...] = IMPLEMENTATIONS) -> list[dict[str, Any]]:
-  """Every case with every implementation. A kernel that fails to trace, compile or run fails its
-  case (the error is reported) and the others still run: one broken kernel on a device hides
-  nothing else."""
+  """Every case with every implementation (a dropout case with those of `DROPOUT_IMPLEMENTATIONS`).
+  A kernel that fails to trace, compile or run fails its case (the error is reported) and the
+  others still run: one broken kernel on a device hides nothing else."""
   results = []
   for case in cases:
-    want = reference(case)
-    for impl in implementations:
+    chosen = [i for i in implementations if not case.dropout or i in DROPOUT_IMPLEMENTATIONS]
+    want = reference(case) if chosen else None
+    for impl in chosen:
       try:
         results.append(check_case(case, impl, want))
       except Exception as e:  # noqa: BLE001  (reported as the case's failure)

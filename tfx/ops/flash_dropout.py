@@ -91,6 +91,26 @@ def keep_mask(seed: jax.Array, shape: tuple[int, int, int, int], rate: float, fi
   return _kept(_stream(seed, rows, heads), query, key_pos, s, _threshold(rate))
 
 
+def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool,
+                        scale: float, rate: float, seed: jax.Array) -> jax.Array:
+  """What `dropout_flash_attention` computes, as einsums in XLA with [b, h, t, s] arrays: the
+  softmax in float32 over the segment mask, `keep_mask`'s scores kept and scaled by 1 / P(keep),
+  padding queries zero ([b, t, h, d] in v's dtype; the tests' and `tfx.check_attention`'s
+  reference)."""
+  from tfx.ops.masks import SegmentMask  # noqa: PLC0415
+
+  b, t, h, _ = q.shape
+  if k.shape[2] != h:
+    k, v = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))  # [b, t, h, d]
+  scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) * scale  # [b, h, t, s]
+  scores = jnp.where(SegmentMask(segment_ids, causal).dense(), scores, MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1)
+  keep = keep_mask(seed, (b, h, t, t), rate)
+  probs = jnp.where(keep, probs / keep_probability(rate), 0.0).astype(v.dtype)
+  out = jnp.einsum("bhts,bshd->bthd", probs, v)
+  return jnp.where((segment_ids > 0)[:, :, None, None], out, 0.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Static:
   """The kernels' compile-time parameters."""
