@@ -128,12 +128,11 @@ def test_cli_refuses_bad_arguments():
 def test_a_dropout_kernel_drawing_other_bits_fails(cases, monkeypatch):
   """A dropout kernel whose keep bits differ from what the reference draws (here: each program
   drawing the stream of the row and head after its own) fails every dropout case; without a GPU
-  the case fails with the reason no kernel ran."""
+  (where no kernel draws those bits) the dropout cases are skipped."""
   from tfx.ops import flash_dropout
 
   dropout = [c for c in cases if c.dropout]
-  (off_gpu,) = check_attention.run_checks(dropout[:1], ("pallas",))
-  assert not off_gpu["ok"] and "no dropout kernel ran" in off_gpu["error"], off_gpu
+  assert check_attention.run_checks(dropout, ("pallas", "xla")) == []
   monkeypatch.setattr(attn, "_on_gpu", lambda: True)
   stream = flash_dropout._program_stream
   monkeypatch.setattr(flash_dropout, "_program_stream", lambda seeds_ref: stream(seeds_ref) + jnp.uint32(1))

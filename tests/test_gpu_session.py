@@ -24,7 +24,7 @@ sys.modules.update(dict.fromkeys(("grain", "datasets", "tensorboardX", "gcsfs"))
 # Every step but `peer`, which needs transformers 4.57.6 (not in tfx's environment: its own test
 # below runs it in benchmarks/.venv-peer where that exists).
 STEPS = ["env", "attention", "reductions", "suite", "t5_128", "t5_128u", "scanned", "kernels", "loss_chunk", "packed",
-         "profile", "bias", "xla_flags", "baseline", "finetune"]
+         "profile", "bias", "xla_flags", "baseline", "dropout", "finetune"]
 PEER_PYTHON = os.path.join(ROOT, "benchmarks", ".venv-peer", "bin", "python")
 
 
@@ -106,6 +106,9 @@ def test_session_runs_every_step_and_writes_its_results(tmp_path):
     assert all(m["documents"] == docs for r in packed["runs"] for m in r["models"])
   chunks = json.loads((out / "loss_chunk.json").read_text())
   assert [r["overrides"] for r in chunks["runs"]] == [["model.loss_chunk=256"]]
+  dropout = json.loads((out / "dropout.json").read_text())  # BERT-base's own config, auto then pallas
+  assert [(r["sweep_value"], r["objective"]) for r in dropout] == [("auto", "masked_lm"), ("pallas", "masked_lm")]
+  assert all(r["step_s"] > 0 and "model.attention_dropout=0.1" in r["attention"] for r in dropout)
   tuned = json.loads((out / "finetune.json").read_text())
   assert tuned["objective"] == "finetune (2 classes, pooling first)" and tuned["batch_size"] == 2
   assert tuned["row_length"] == 64 and tuned["step_s"] > 0

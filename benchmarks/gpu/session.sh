@@ -43,6 +43,9 @@
 #   profile      three steps of each suite model traced (OUT/profile/<model>) and their   300 s
 #                kernels summed by kind (python -m tfx.bench_profile); each HLO kernel's time
 #                joined with its bytes (ms, GB, TB/s: profile.json's profile.bytes)
+#   dropout      BERT-base's own config (attention dropout 0.1, layers scanned; bf16, 32   200 s
+#                rows) with model.attention=auto (XLA's attention with dropout) and pallas
+#                (tfx's Pallas kernels drawing the dropout): OUT/dropout.json
 #   finetune     BERT-base's fine-tuning step (tfx.finetune's: a two-class classifier      90 s
 #                pooling [CLS], whose last layer runs at [CLS] alone; 32 rows of 128, bf16,
 #                no dropout): python -m tfx.bench --finetune, its MFU (OUT/finetune.json)
@@ -74,7 +77,7 @@ out=$1
 shift
 steps=("$@")
 all_steps=(env attention reductions suite t5_128 t5_128u scanned kernels loss_chunk packed profile bias xla_flags
-           baseline finetune peer)
+           baseline dropout finetune peer)
 [ ${#steps[@]} -gt 0 ] || steps=("${all_steps[@]}")
 for step in "${steps[@]}"; do
   [[ " ${all_steps[*]} " == *" $step "* ]] || { echo "unknown step $step (${all_steps[*]})" >&2; exit 2; }
@@ -114,6 +117,7 @@ size=(--batch 32)
 t5=(--batch 128)
 peer=(--dtype bfloat16 --sizes base --reps 10 --compiles 1 --tfx-override=--config.model.scan_unroll=0)
 finetune=(--config.finetune.batch_size=32 --config.finetune.max_length=128)
+dropout=(--config.train.batch_size=32)
 check=()
 reductions=()
 bias=()
@@ -127,6 +131,8 @@ if [ -n "${TFX_GPU_TINY:-}" ]; then
   finetune=(--config.finetune.batch_size=2 --config.finetune.max_length=64 --config.model.num_layers=2
             --config.model.d_model=64 --config.model.num_heads=2 --config.model.d_ff=128 --config.data.vocab_size=1024
             --steps 2 --warmup 1)
+  dropout=(--config.train.batch_size=2 --config.data.seq_len=64 --config.model.num_layers=2 --config.model.d_model=64
+           --config.model.num_heads=2 --config.model.d_ff=128 --config.data.vocab_size=1024 --steps 2 --warmup 1)
 fi
 
 run() {  # run NAME LIMIT_SECONDS COMMAND...
@@ -180,6 +186,8 @@ print(\"ml_collections from\", ml_collections.__file__)'
                    i=$((i + 1)); echo "== XLA_FLAGS=${XLA_FLAGS:-} $flag"
                    XLA_FLAGS="${XLA_FLAGS:-} $flag" "$@" --json "$0/xla_flags_$i.json" || exit
                  done' "$out" "${bench[@]}" --only gpt2_small --skip-depth ;;
+    dropout) run dropout 200 "$py" -m tfx.bench --config configs/bert_base.py --sweep model.attention=auto,pallas \
+               --config.model.dtype=bfloat16 "${dropout[@]}" --json "$out/dropout.json" ;;
     finetune) run finetune 90 "$py" -m tfx.bench --config configs/bert_base.py --finetune 2 \
                 --config.model.dtype=bfloat16 --config.model.dropout=0.0 --config.model.attention_dropout=0.0 \
                 "${finetune[@]}" --json "$out/finetune.json" ;;

@@ -223,11 +223,11 @@ def rows_mask(q_segment_ids: jax.Array, k_segment_ids: jax.Array | None = None, 
 
   With `lengths` the rows must hold one segment each, real tokens first (ids positive on a row's
   first tokens, 0 after), and the mask is their `LengthMask` (what cuDNN reads); otherwise the
-  [b, 1, t, s] array, built here once for every layer (`segment_mask`; causal: a prebuilt
-  `SegmentMask`, whose flag cuDNN reads)."""
+  [b, 1, t, s] array, built here once for every layer (`segment_mask`); a self-attention's as a
+  prebuilt `SegmentMask`, whose flag cuDNN reads and whose ids the Pallas kernels read."""
   if not lengths:
     if k_segment_ids is None:
-      return SegmentMask(q_segment_ids, causal=True).prebuilt() if causal else segment_mask(q_segment_ids)
+      return SegmentMask(q_segment_ids, causal=causal).prebuilt()
     mask = segment_mask(q_segment_ids, k_segment_ids)  # [b, 1, t, s]
     return mask & causal_mask(q_segment_ids.shape[1], k_segment_ids.shape[1]) if causal else mask
   k_segment_ids = q_segment_ids if k_segment_ids is None else k_segment_ids
