@@ -77,11 +77,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.use_bias = True
   # Share the input embedding with the output projection.
   c.model.tie_embeddings = True
-  # Dropout rate on embeddings, residual branches and the MLP hidden layer (0 = off).
+  # Dropout rate on embeddings and residual branches (0 = off).
   c.model.dropout = 0.0
-  # Dropout rate on attention probabilities (0 = off). Non-zero forces the einsum attention
-  # path, since the fused kernels have no dropout.
+  # Dropout rate on attention probabilities (0 = off). On a GPU only model.attention=pallas applies
+  # it in a fused kernel (tfx/ops/flash_dropout.py); every other path runs XLA's attention for it.
   c.model.attention_dropout = 0.0
+  # Dropout rate on the MLP's hidden layer, after the activation; -1 = model.dropout. T5 and XLNet
+  # drop there (-1); BERT, RoBERTa, ELECTRA, DistilBERT and GPT-2 do not (their configs: 0.0).
+  c.model.mlp_dropout = -1.0
   # Computation dtype: 'float32' or 'bfloat16' (parameters stay float32).
   c.model.dtype = "float32"
   # Run the layers as one nn.scan (faster compile, one set of stacked parameters).

@@ -1,6 +1,7 @@
 """BERT base (Devlin et al. 2019): 12 post-LN layers, d_model 768, 12 heads, d_ff 3072, learned
 positions (512), token types (2), LayerNorm on the embeddings, exact GELU, LayerNorm eps 1e-12,
-tied MLM head with an output bias; trained with masked language modelling.
+tied MLM head with an output bias; dropout 0.1 on the embeddings, the attention probabilities and
+each sublayer's output (none on the MLP's hidden layer); trained with masked language modelling.
 
     python -m tfx.train --config configs/bert_base.py --workdir runs/bert_base
 
@@ -31,6 +32,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.tie_embeddings = True
   m.dropout = 0.1
   m.attention_dropout = 0.1
+  m.mlp_dropout = 0.0  # BERT drops the MLP's output, not its hidden layer
   c.objective.name = "masked_lm"
   c.data.seq_len = 512
   c.data.vocab_size = 30522

@@ -378,6 +378,8 @@ BAD_OVERRIDES = {
     "seed=-1": ("--config.train.seed=-1", "train.seed=-1 must be >= 0"),
     "num_decoder_layers=-2": ("--config.model.num_decoder_layers=-2", "model.num_decoder_layers=-2 must be >= 1"),
     "attention_dropout=2": ("--config.model.attention_dropout=2.0", "model.attention_dropout=2.0 must be in [0, 1)"),
+    "mlp_dropout=-0.5": ("--config.model.mlp_dropout=-0.5",
+                         "model.mlp_dropout=-0.5 must be in [0, 1), or -1 for model.dropout"),
     "keep_checkpoints=0": ("--config.train.keep_checkpoints=0", "train.keep_checkpoints=0 must be at least 1"),
     "on_nonfinite": ("--config.train.on_nonfinite=maybe", "train.on_nonfinite='maybe': choose one of stop, skip"),
     "learning_rate=nan": ("--config.optim.learning_rate=nan", "optim.learning_rate=nan must be positive and finite"),

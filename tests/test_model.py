@@ -592,3 +592,41 @@ def test_fused_head_loss_equals_the_loss_of_the_logits(case, shared_tokenizer, t
     np.testing.assert_allclose(float(got_m[key]), float(want_m[key]), **tol)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **(dict(rtol=5e-2, atol=2e-3) if bf16 else tol)),
                got_g, want_g)
+
+
+def test_mlp_hidden_dropout_is_model_mlp_dropout():
+  """The MLP's hidden layer drops at model.mlp_dropout, at model.dropout where that is -1 (T5's
+  and XLNet's placement); at 0 (BERT's, RoBERTa's, ELECTRA's, DistilBERT's and GPT-2's: their
+  dropout is on the MLP's output, in the block) the MLP in training mode is the deterministic MLP.
+  The configs say which: the BERT family 0, T5, XLNet and BART -1; an HF BERT or GPT-2 import 0."""
+  from configs import bart_base, bert_base, distilbert_base, electra_base, roberta_base, t5_base, xlnet_base
+  from tfx.convert import bert as bert_convert, gpt2 as gpt2_convert
+  from tfx.nn.layers import Mlp, ModelConfig
+
+  x = jax.random.normal(jax.random.key(0), (2, 8, 16))
+
+  def run(**kw):
+    cfg = ModelConfig(family="encoder", vocab_size=8, max_length=8, num_layers=1, d_model=16, num_heads=2, d_ff=64,
+                      **kw)
+    mlp = Mlp(cfg, deterministic=False)
+    params = Mlp(cfg).init(jax.random.key(1), x)
+    return mlp.apply(params, x, rngs={"dropout": jax.random.key(2)}), Mlp(cfg).apply(params, x)
+
+  trained, plain = run(dropout=0.5, mlp_dropout=0.0)
+  np.testing.assert_array_equal(trained, plain)
+  for kw in (dict(dropout=0.5), dict(dropout=0.0, mlp_dropout=0.5)):  # -1: model.dropout; or its own rate
+    trained, plain = run(**kw)
+    assert float(jnp.max(jnp.abs(trained - plain))) > 0.1 * float(jnp.max(jnp.abs(plain))), kw
+  assert ModelConfig(family="encoder", vocab_size=8, max_length=8, num_layers=1, d_model=16, num_heads=2, d_ff=64,
+                     dropout=0.3).hidden_dropout == 0.3
+  for config in (bert_base, roberta_base, electra_base, distilbert_base):
+    assert config.get_config().model.mlp_dropout == 0.0, config.__name__
+  for config in (t5_base, xlnet_base, bart_base):
+    assert config.get_config().model.mlp_dropout == -1.0, config.__name__
+  bert = dict(num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=64, hidden_act="gelu",
+              hidden_dropout_prob=0.1)
+  gpt2 = dict(n_layer=2, n_embd=16, n_head=2, resid_pdrop=0.1)
+  for convert, arch, hf in ((bert_convert, "BertForMaskedLM", bert), (gpt2_convert, "GPT2LMHeadModel", gpt2)):
+    c = tiny_config()
+    convert.config_from_hf(c, arch, hf)
+    assert c.model.mlp_dropout == 0.0 and c.model.dropout == 0.1, arch

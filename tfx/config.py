@@ -386,6 +386,8 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int, process_cou
   for key in ("dropout", "attention_dropout"):
     if not 0.0 <= m[key] < 1.0:
       problems.append(f"model.{key}={m[key]} must be in [0, 1)")
+  if not (m.mlp_dropout == -1.0 or 0.0 <= m.mlp_dropout < 1.0):
+    problems.append(f"model.mlp_dropout={m.mlp_dropout} must be in [0, 1), or -1 for model.dropout")
   if m.num_decoder_layers < 0:
     problems.append(f"model.num_decoder_layers={m.num_decoder_layers} must be >= 1 (or 0 = as many as num_layers)")
   for key in ("norm_eps", "init_std"):

@@ -92,6 +92,7 @@ def config_from_hf(c, arch: str, hf: dict) -> None:
   m.tie_embeddings = bool(hf.get("tie_word_embeddings", True))
   m.dropout = float(hf.get("hidden_dropout_prob", 0.1))
   m.attention_dropout = float(hf.get("attention_probs_dropout_prob", 0.1))
+  m.mlp_dropout = 0.0  # BERT's intermediate layer has no dropout
   offset = _roberta_offset(hf) if arch == "RobertaForMaskedLM" else 0
   c.data.seq_len = int(hf.get("max_position_embeddings", 512)) - offset
   c.objective.name = "masked_lm"

@@ -57,6 +57,7 @@ def config_from_hf(c, arch: str, hf: dict) -> None:
   m.tie_embeddings = bool(hf.get("tie_word_embeddings", True))
   m.dropout = float(hf.get("resid_pdrop", 0.1))
   m.attention_dropout = float(hf.get("attn_pdrop", 0.1))
+  m.mlp_dropout = 0.0  # GPT-2 drops the MLP's output (resid_pdrop), not its hidden layer
   c.data.seq_len = int(hf.get("n_positions", 1024))
   c.objective.name = "causal_lm"
 

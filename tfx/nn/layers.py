@@ -54,6 +54,7 @@ class ModelConfig:
   tie_embeddings: bool = True
   dropout: float = 0.0
   attention_dropout: float = 0.0
+  mlp_dropout: float = -1.0  # on the MLP's hidden layer; < 0: `dropout` (T5's, XLNet's placement)
   dtype: str = "float32"
   scan_layers: bool = True
   scan_unroll: int = 1  # layers per iteration of the scanned loop (0 = all: unrolled, parameters still stacked)
@@ -67,6 +68,11 @@ class ModelConfig:
   def __post_init__(self):
     if not self.head_dim:
       object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
+
+  @property
+  def hidden_dropout(self) -> float:
+    """The dropout rate on the MLP's hidden layer: `mlp_dropout`, or `dropout` where it is < 0."""
+    return self.dropout if self.mlp_dropout < 0 else self.mlp_dropout
 
   @property
   def attention_dim(self) -> int:
@@ -398,7 +404,7 @@ class Mlp(nn.Module):
     else:
       h = act(dense(cfg.d_ff, ("embed", "mlp"), "wi_0")(x))  # [b, t, f]
     h = constrain(h, ("act_batch", "act_length", "act_mlp"))
-    h = Dropout(cfg.dropout)(h, deterministic=self.deterministic)
+    h = Dropout(cfg.hidden_dropout)(h, deterministic=self.deterministic)
     return dense(cfg.d_model, ("mlp", "embed"), "wo")(h)  # [b, t, e]
 
 
