@@ -173,3 +173,27 @@ def test_seq2seq_kv_cache_decoding_equals_recomputation(variant):
   reference = greedy_seq2seq_by_recomputation(model, params, jnp.asarray(enc), jnp.asarray(seg), 10, start_id=0)
   np.testing.assert_array_equal(np.asarray(cached), np.asarray(reference))
   assert len(np.unique(np.asarray(cached))) > 3  # a real sequence, not one repeated token
+
+
+@pytest.mark.parametrize("variant, final", [(T5, True), (VASWANI, False)])
+def test_encoder_decoder_drops_a_stacks_output_only_after_a_final_norm(variant, final):
+  """In training, dropout runs on the embeddings, every sublayer's output and the MLP's hidden
+  layer, and on each stack's output only after its final norm: T5's pre-LN stacks drop there, a
+  post-LN stack (Vaswani's, BART's) ends at its last layer's norm."""
+  from tfx.nn.layers import Dropout
+
+  model, params = make(*variant, "--config.model.dropout=0.1", "--config.model.scan_layers=false")
+  tokens, seg, pos = packed([6, 8], 16, seed=1)
+  dropped = []
+
+  def spy(next_fun, args, kwargs, context):
+    if isinstance(context.module, Dropout) and context.method_name == "__call__" and context.module.rate > 0:
+      dropped.append("/".join(context.module.scope.path))
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(spy):
+    model.apply({"params": params}, tokens, seg, pos, tokens, seg, pos, train=True, rngs={"dropout": jax.random.key(1)})
+  top = [path for path in dropped if "/" not in path]  # the family's own: embeddings, stack outputs
+  assert len(top) == (4 if final else 2), dropped
+  layers = model.cfg.num_layers + model.cfg.decoder_layers
+  assert len(dropped) - len(top) == 3 * layers + model.cfg.decoder_layers  # attention, MLP (+ its hidden), cross

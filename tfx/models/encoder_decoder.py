@@ -5,6 +5,10 @@ layers), `norm_type=rmsnorm`, `use_bias=False`, `mlp=geglu`, `scale_attention=Fa
 untied output. T5 v1.0: `mlp=relu`, tied output with `scale_tied_logits=True`.
 Vaswani: `position=sinusoidal`, `norm=post`, `embed_scale=True`.
 
+Dropout: on the embeddings, the attention probabilities (`attention_dropout`), each sublayer's
+output and (`mlp_dropout`) the MLP's hidden layer; with pre-LN also on each stack's output after
+its final norm (T5's). A post-LN stack (BART, Vaswani) ends at its last layer's norm, as theirs do.
+
 The token embedding is shared by the encoder, the decoder and (when tied) the output.
 Decoder blocks cross-attend to the encoder output with mask "same document, both real".
 Rows of one segment each (span corruption's, UL2's: `one_segment=True`) get their masks as each
@@ -77,7 +81,7 @@ class EncoderDecoder(Family):
         x, mask, decoder_positions, decoder_segment_ids, bias, encoded, cross_mask)
     if cfg.norm == "pre":
       x = make_norm(cfg, "decoder_final_norm")(x)
-    x = Dropout(cfg.dropout)(x, deterministic=not train)
+    x = Dropout(_final_dropout(cfg))(x, deterministic=not train)
     return self.lm_head(embed, x, loss=loss)
 
   def _encode(self, embed, tokens, segment_ids, positions, train, lengths=False):
@@ -89,4 +93,11 @@ class EncoderDecoder(Family):
     x = Stack(cfg, cfg.num_layers, deterministic=not train, name="encoder")(x, mask, positions, segment_ids, bias)
     if cfg.norm == "pre":
       x = make_norm(cfg, "encoder_final_norm")(x)
-    return Dropout(cfg.dropout)(x, deterministic=not train)
+    return Dropout(_final_dropout(cfg))(x, deterministic=not train)
+
+
+def _final_dropout(cfg) -> float:
+  """The rate of the dropout on a stack's output: T5's after its final norm (pre-LN); none after a
+  post-LN stack's last layer (BART, the Vaswani Transformer). At rate 0 the module draws nothing,
+  so the other dropouts' random streams are unchanged."""
+  return cfg.dropout if cfg.norm == "pre" else 0.0
