@@ -219,3 +219,24 @@ def test_what_the_kernel_refuses_goes_to_xla(monkeypatch):
   assert "power of two" in run("pallas", q=odd[0], k=odd[1], v=odd[2])[1]
   out, why = run("pallas")
   assert out.shape == q.shape and why == "GPU, segment ids; dropout 0.1 drawn in the kernel"
+
+
+def test_bf16_inputs_stay_within_bf16_rounding_of_the_float32_reference():
+  """In bf16 (the configs' GPU dtype) the kernel's output and gradients are within bf16 rounding
+  of the float32 reference dropping the same scores (the kernel keeps its softmax statistics and
+  accumulators in float32)."""
+  rng = np.random.default_rng(9)
+  seg = jnp.asarray(random_packed(rng, 2, 64, max_docs=3, pad=8)[0])
+  q, k, v = _qkv(rng, 2, 64, 2, 2, d=32)
+  cot = jnp.asarray(rng.normal(size=(2, 64, 2, 32)), jnp.float32)
+  seed = jnp.uint32(77)
+  kw = dict(causal=False, scale=32**-0.5, rate=0.1, seed=seed)
+  grads = lambda fn, *x: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * cot),
+                                                    argnums=(0, 1, 2)))(*x)
+  bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+  _, got = grads(lambda q, k, v: fd.dropout_flash_attention(q, k, v, seg, **kw), *bf16)
+  _, want = grads(lambda q, k, v: reference(q, k, v, seg, **kw), *(x.astype(jnp.float32) for x in bf16))
+  out = fd.dropout_flash_attention(*bf16, seg, **kw).astype(jnp.float32)
+  for g, w in zip([out, *got], [reference(*(x.astype(jnp.float32) for x in bf16), seg, **kw), *want]):
+    g = np.asarray(g, np.float32)
+    assert np.max(np.abs(g - w)) <= 3e-2 * np.max(np.abs(w)), np.max(np.abs(g - w)) / np.max(np.abs(w))
