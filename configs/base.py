@@ -107,7 +107,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.remat = "dots_attention"
   # Attention implementation: 'auto' (cuDNN's fused kernel on a GPU for bf16/fp16 and head_dim
   # <= 128, XLA otherwise), 'xla', 'cudnn' (falls back to XLA where it cannot run), 'pallas' (Pallas
-  # flash attention from segment ids on a GPU, for packed self-attention without a bias; XLA
+  # flash attention from segment ids on a GPU, for packed self-attention without a bias, with
+  # attention dropout tfx's own kernel that drops inside it: tfx/ops/flash_dropout.py; XLA
   # elsewhere), 'splash' (splash attention from segment ids on a TPU, the same cases, rows a
   # multiple of 128 tokens; XLA elsewhere) or 'reference' (the einsum reference, for debugging).
   # The kernel chosen is logged once with the reason.

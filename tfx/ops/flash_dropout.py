@@ -357,7 +357,7 @@ def dropout_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_id
 def fused_dropout_attention(q, k, v, mask, bias, scale: float, rate: float, rng: jax.Array,
                             implementation: str) -> tuple[jax.Array | None, str]:
   """(output, why): these kernels' attention with dropout when `implementation` picks the Pallas
-  kernel here (`tfx.ops.choose_implementation`) and they can take the inputs; else (None, why
+  kernel here (`tfx.ops.attention.choose_implementation`) and they can take the inputs; else (None, why
   not), and the caller runs XLA's attention with dropout."""
   from tfx.ops import attention  # noqa: PLC0415  (attention imports this module's siblings)
 
