@@ -379,7 +379,8 @@ def relative_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_r: jax.Array,
   q_w = add_bias(q, biases.r_w)
   mask4 = None if mask is None else mask[:, None]  # [b, 1, t, s]
   if dropout_rate > 0.0:
-    ops.log_choice("xla", f"model.attention_dropout={dropout_rate}: no fused kernel applies dropout")
+    ops.log_choice("xla", f"model.attention_dropout={dropout_rate}: no fused kernel takes XLNet's relative terms "
+                   "with dropout")
     keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, bias.shape)  # [b, h, t, s]
     out = ops.attention.softmax_attention(q_w, k, v, mask4, bias, scale, dropout_rate=dropout_rate, keep=keep)
   else:
