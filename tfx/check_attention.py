@@ -157,11 +157,6 @@ def _value_and_grads(fn: Callable, case: Case):
   return [np.asarray(x, np.float32) for x in (fn(*args), *grads)]
 
 
-def _dropout_seed() -> jax.Array:
-  """The uint32 seed `flash_dropout.fused_dropout_attention` draws from `DROPOUT_KEY`."""
-  return jax.random.bits(jax.random.key(DROPOUT_KEY), (), jnp.uint32)
-
-
 def reference(case: Case) -> list[np.ndarray]:
   """Output and q, k, v gradients of the einsum attention in float32 at the highest precision;
   rows with no allowed key are zeros (what `dot_product_attention` guarantees); with the case's
@@ -173,7 +168,7 @@ def reference(case: Case) -> list[np.ndarray]:
     if case.dropout:
       return flash_dropout.reference_attention(
           *(x.astype(jnp.float32) for x in (q, k, v)), case.mask.segment_ids, causal=case.mask.causal,
-          scale=q.shape[-1] ** -0.5, rate=case.dropout, seed=_dropout_seed())
+          scale=q.shape[-1] ** -0.5, rate=case.dropout, seed=flash_dropout.dropout_seed(jax.random.key(DROPOUT_KEY)))
     out = ops.reference_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask=mask,
                                   bias=bias)
     return jnp.where(attends, out, 0.0)
@@ -207,7 +202,6 @@ def _with_dropout(case: Case, implementation: str, q, k, v, bias):
                                                    jax.random.key(DROPOUT_KEY), implementation)
   if out is None:
     raise RuntimeError(f"no dropout kernel ran: {why}")
-  ops.log_choice(implementation, why)
   return out
 
 

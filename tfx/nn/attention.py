@@ -82,8 +82,7 @@ class Attention(nn.Module):
     dropout = cfg.attention_dropout if not self.deterministic else 0.0
     if dropout > 0.0:  # the Pallas kernel draws the dropout in itself; XLA's attention otherwise
       rng = self.make_rng("dropout")
-      out, why = fused_dropout_attention(q, k, v, mask, bias, scale, dropout, rng, cfg.attention)
-      ops.log_choice("xla" if out is None else "pallas", why)
+      out, _ = fused_dropout_attention(q, k, v, mask, bias, scale, dropout, rng, cfg.attention)  # logs its choice
       if out is None:
         out = _reference_with_dropout(q, k, v, ops.dense_mask(mask), bias, scale, dropout, rng)
     else:

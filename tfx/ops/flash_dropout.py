@@ -354,23 +354,32 @@ def dropout_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_id
   return flash.per_device(kernel, q, k, v, segment_ids, seed, offsets=True)
 
 
+def dropout_seed(rng: jax.Array) -> jax.Array:
+  """The uint32 seed a layer's kernel call draws its keep bits from, given its dropout key."""
+  return jax.random.bits(rng, (), jnp.uint32)
+
+
 def fused_dropout_attention(q, k, v, mask, bias, scale: float, rate: float, rng: jax.Array,
                             implementation: str) -> tuple[jax.Array | None, str]:
   """(output, why): these kernels' attention with dropout when `implementation` picks the Pallas
-  kernel here (`tfx.ops.attention.choose_implementation`) and they can take the inputs; else (None, why
-  not), and the caller runs XLA's attention with dropout."""
+  kernel here (`tfx.ops.attention.choose_implementation`) and they can take the inputs; else (None,
+  why not), and the caller runs XLA's attention with dropout. Either way the choice is logged
+  (`tfx.ops.attention.log_choice`: 'pallas' or 'xla', with the reason)."""
   from tfx.ops import attention  # noqa: PLC0415  (attention imports this module's siblings)
 
   impl, why = attention.choose_implementation(implementation, q.dtype, q.shape[-1])
-  if impl != "pallas":
-    if implementation == "pallas":
-      return None, f"model.attention_dropout={rate}: Pallas dropout attention needs a GPU: {why}"
-    return None, f"model.attention_dropout={rate}: of the fused kernels only Pallas' applies dropout (model.attention=pallas)"
-  refused = unsupported(q, k, mask, bias)
-  if refused is not None:
-    return None, f"model.attention_dropout={rate}: Pallas dropout attention refused: {refused}"
-  seed = jax.random.bits(rng, (), jnp.uint32)
-  out = dropout_flash_attention(q, k, v, mask.segment_ids, causal=mask.causal, scale=scale, rate=rate, seed=seed)
-  return out, f"{why}; dropout {rate} drawn in the kernel"
+  refused = unsupported(q, k, mask, bias) if impl == "pallas" else None
+  if impl == "pallas" and refused is None:
+    out = dropout_flash_attention(q, k, v, mask.segment_ids, causal=mask.causal, scale=scale, rate=rate,
+                                  seed=dropout_seed(rng))
+    why = f"{why}; dropout {rate} drawn in the kernel"
+  else:
+    out = None
+    why = (f"Pallas dropout attention refused: {refused}" if refused is not None else
+           f"Pallas dropout attention needs a GPU: {why}" if implementation == "pallas" else
+           "of the fused kernels only Pallas' applies dropout (model.attention=pallas)")
+    why = f"model.attention_dropout={rate}: {why}"
+  attention.log_choice("xla" if out is None else "pallas", why)
+  return out, why
 
 
