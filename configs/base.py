@@ -90,13 +90,14 @@ def get_config() -> ml_collections.ConfigDict:
   # Run the layers as one nn.scan (faster compile, one set of stacked parameters).
   c.model.scan_layers = True
   # With scan_layers: layers per iteration of the scanned loop; 0 = all of them (the loop unrolled,
-  # parameters still stacked, checkpoints unchanged). Unrolling compiles longer but lets XLA drop
-  # the loop's stacked buffers: compiled for an H100, the kernels of GPT-2-small's step move 110 GB
-  # instead of 145 (tfx.bench_traffic; the accelerator suite unrolls). On a CPU it gains nothing
-  # (peer benchmark, 4 layers d256 x 8 rows of 256, 2026-11-28: GPT-2 1.04x HF's step unrolled
-  # against 1.02x scanned, temporaries 397 against 261 MiB). Computes the same function: a resume
-  # may change it.
-  c.model.scan_unroll = 1
+  # parameters still stacked, checkpoints unchanged); -1 = all of them when the step is traced for a
+  # GPU, one elsewhere (tfx.ops.target.unrolled_layers). Unrolled, XLA drops the loop's stacked
+  # buffers: compiled for an H100, BERT-base's own step moves 50.2 GB instead of 67.1, T5-base's
+  # 70.5 instead of 103.6, for 15-75% more memory and about twice the compile time. On a CPU it gains
+  # nothing (peer benchmark, 4 layers d256 x 8 rows of 256, 2026-11-28: GPT-2 1.04x HF's step
+  # unrolled against 1.02x scanned, temporaries 397 against 261 MiB). Computes the same function: a
+  # resume may change it.
+  c.model.scan_unroll = -1
   # Rematerialisation policy name: 'none', 'full' (= 'nothing_saveable'), 'dots' (= 'dots_saveable'),
   # 'dots_no_batch' (= 'dots_with_no_batch_dims_saveable'), 'dots_attention', 'everything_saveable'
   # (tfx/nn/blocks.py). 'dots_attention' keeps the weight matmuls' outputs and the attention's own

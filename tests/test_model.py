@@ -172,6 +172,29 @@ def test_scan_unroll_keeps_parameters_and_function(unroll):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8), grads_1, grads_u)
 
 
+def test_scan_unroll_by_platform_unrolls_the_layers_for_a_gpu_alone():
+  """model.scan_unroll=-1 (the configs' default) runs the scanned layers as one unrolled loop where
+  the step is traced for a GPU (`target.unrolled_layers`) and one layer an iteration elsewhere: the
+  GPU's trace has no loop, the CPU's and the TPU's have one, and each computes the same loss and
+  gradients as an explicit scan_unroll=1 (each compiled here, on the CPU)."""
+  from tfx.ops import target
+
+  model, params = make_model("--config.model.num_layers=3")
+  assert model.cfg.scan_unroll == -1
+  scanned, _ = make_model("--config.model.num_layers=3", "--config.model.scan_unroll=1", shapes_only=True)
+  rng = np.random.default_rng(5)
+  tokens, seg, pos = (jnp.asarray(a)[None] for a in packed_row(rng, [9, 7], 16))
+  loss = lambda m: jax.value_and_grad(lambda p: jnp.mean(m.apply({"params": p}, tokens, seg, pos) ** 2))
+  want_loss, want_grads = jax.jit(loss(scanned))(params)
+  for platform in ("cpu", "gpu", "tpu"):
+    with target.lowering_for(platform):  # a fresh function: a trace is cached per function
+      lowered = jax.jit(loss(model)).lower(params)
+    assert ("stablehlo.while" in lowered.as_text()) == (platform != "gpu"), platform
+    got_loss, got_grads = lowered.compile()(params)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8), got_grads, want_grads)
+
+
 RELATIVE_CASES = {
     "t5_span_corruption": ("t5_tiny.py", ()),
     "ul2_mixture": ("ul2_tiny.py", ()),

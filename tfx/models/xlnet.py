@@ -177,7 +177,7 @@ class XLNet(Family):
         split_rngs={"params": True, "dropout": True},
         in_axes=in_axes,
         length=length,
-        unroll=cfg.scan_unroll or length,
+        unroll=cfg.layers_per_iteration(length),
         metadata_params={nn.PARTITION_NAME: "layers"},
     )
     return scanned(cfg, not train, name="layers")

@@ -218,7 +218,7 @@ class Stack(nn.Module):
         split_rngs={"params": True, "dropout": True},
         in_axes=(nn.broadcast,) * (n_args - 1),
         length=length,
-        unroll=cfg.scan_unroll or length,
+        unroll=cfg.layers_per_iteration(length),
         metadata_params={nn.PARTITION_NAME: "layers"},
     )
     return scanned(cfg, self.deterministic, self.decode, self.cross, name="layers")

@@ -57,7 +57,7 @@ class ModelConfig:
   mlp_dropout: float = -1.0  # on the MLP's hidden layer; < 0: `dropout` (T5's, XLNet's placement)
   dtype: str = "float32"
   scan_layers: bool = True
-  scan_unroll: int = 1  # layers per iteration of the scanned loop (0 = all: unrolled, parameters still stacked)
+  scan_unroll: int = -1  # layers per scanned iteration (0 = all: unrolled, parameters still stacked; -1 = by platform)
   remat: str = "none"
   attention: str = "auto"
   packed_runs: int = 0  # cuDNN's packed layout for packed rows of at most this many runs of one id (0 = the mask)
@@ -73,6 +73,15 @@ class ModelConfig:
   def hidden_dropout(self) -> float:
     """The dropout rate on the MLP's hidden layer: `mlp_dropout`, or `dropout` where it is < 0."""
     return self.dropout if self.mlp_dropout < 0 else self.mlp_dropout
+
+  def layers_per_iteration(self, length: int) -> int:
+    """The `unroll` of a scanned stack of `length` layers: `scan_unroll` layers an iteration, all of
+    them for 0, and for -1 (the configs' default) all of them where the step is traced for a GPU
+    and one elsewhere (`tfx.ops.target.unrolled_layers`)."""
+    unroll = self.scan_unroll
+    if unroll < 0:
+      unroll = 0 if target.unrolled_layers() else 1
+    return unroll or length
 
   @property
   def attention_dim(self) -> int:
