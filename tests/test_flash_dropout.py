@@ -166,8 +166,9 @@ def test_a_model_draws_its_dropout_in_the_kernel(monkeypatch):
   """A BERT-style encoder with attention dropout and model.attention=pallas (a GPU faked for the
   choice) runs the kernel at every layer, logged with its reason; its training-mode logits and
   gradients equal those of the same model whose kernel is replaced by the XLA reference drawing
-  the same keep bits (the step's seed reaches the kernel as it reaches the reference); and two
-  dropout keys give different logits."""
+  the same keep bits (the step's seed reaches the kernel as it reaches the reference), and those of
+  the model on XLA's attention (no GPU: what 'auto' runs), which draws the same bits since stop 64;
+  and two dropout keys give different logits."""
   monkeypatch.setattr(attn, "_on_gpu", lambda: True)
   length, vocab = 32, 97
   cfg = tiny_config("--config.model.family=encoder", "--config.model.num_layers=2", "--config.model.d_model=32",
@@ -196,9 +197,14 @@ def test_a_model_draws_its_dropout_in_the_kernel(monkeypatch):
 
   monkeypatch.setattr(fd, "dropout_flash_attention", reference)
   (_, want), want_grads = run(jax.random.key(1))
-  np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
-  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(want_grads)):
-    np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+  monkeypatch.setattr(attn, "_on_gpu", lambda: False)
+  with attn.recorded_choices() as chosen:
+    (_, xla), xla_grads = run(jax.random.key(1))
+  assert {impl for impl, _ in chosen} == {"xla"}, chosen
+  for logits, grads in ((want, want_grads), (xla, xla_grads)):
+    np.testing.assert_allclose(got, logits, atol=2e-5, rtol=1e-5)
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(grads)):
+      np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
 
 
 def test_what_the_kernel_refuses_goes_to_xla(monkeypatch):

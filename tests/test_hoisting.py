@@ -106,32 +106,3 @@ def test_the_check_finds_a_grown_constant(monkeypatch):
   monkeypatch.setattr(hoisting, "where", lambda cond, x, fill: jnp.where(cond, x, fill))
   found = grown_in_layers(os.path.join(ROOT, "configs", "bert_tiny.py"), "--config.train.batch_size=2", *DROPOUT)
   assert any(f.startswith("float32[2,64,") for f in found), found
-
-
-@pytest.mark.parametrize("rate", [0.0, 0.1, 0.5, 1.0])
-def test_dropout_is_flax_dropout_bitwise(rate):
-  """tfx's Dropout draws flax's mask from the same `dropout` stream (the module path included:
-  both are auto-named Dropout_0) and gives the same values and gradients."""
-  import flax.linen as nn
-
-  from tfx.nn.layers import Dropout
-
-  class Net(nn.Module):
-    cls: type
-
-    @nn.compact
-    def __call__(self, x):
-      return self.cls(rate)(x * 2.0, deterministic=False)
-
-  x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 5, 7)), jnp.float32)
-  rngs = {"dropout": jax.random.key(4)}
-
-  def run(cls):
-    f = lambda x: Net(cls).apply({}, x, rngs=rngs)
-    return f(x), jax.grad(lambda x: jnp.sum(f(x) ** 2))(x)
-
-  (got, got_grad), (want, want_grad) = run(Dropout), run(nn.Dropout)
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  np.testing.assert_array_equal(np.asarray(got_grad), np.asarray(want_grad))
-  if 0.0 < rate < 1.0:
-    assert 0 < int(jnp.sum(got == 0)) < got.size

@@ -522,11 +522,13 @@ def test_gated_activation_is_the_composition_with_the_pair_as_its_only_residual(
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_attention_dropout_is_autodiff_through_the_dropped_softmax(kv_heads):
-  """XLA's attention with attention dropout (`softmax_attention(..., keep=)`, the dropout inside its
-  own backward pass; XLNet's path) against autodiff through softmax, the same [b, h, t, s] keep mask
-  and the product with V: values and the q, k, v and bias gradients, a bias per head, packed rows
-  with padding (rows with no key give zeros), grouped-query heads."""
+  """XLA's attention with attention dropout (`softmax_attention(..., seed=)`, the keep bits drawn
+  inside its forward and again in its own backward pass) against autodiff through softmax, the
+  [b, h, t, s] keep mask `tfx.ops.dropout.keep_bits` gives for that seed and the product with V:
+  values and the q, k, v and bias gradients, a bias per head, packed rows with padding (rows with
+  no key give zeros), grouped-query heads."""
   from tfx.ops import attention as attn
+  from tfx.ops import dropout
 
   rng = np.random.default_rng(7)
   b, t, h, d, rate = 2, 10, 4, 8, 0.3
@@ -534,7 +536,9 @@ def test_attention_dropout_is_autodiff_through_the_dropped_softmax(kv_heads):
   k, v = (jnp.asarray(rng.normal(size=(b, t, kv_heads, d)), jnp.float32) for _ in range(2))
   bias = jnp.asarray(rng.normal(size=(1, h, t, t)), jnp.float32)
   mask = ops.segment_mask(jnp.asarray(random_packed(rng, b, t, pad=3)[0]))
-  keep = jax.random.bernoulli(jax.random.key(3), 1.0 - rate, (b, h, t, t))
+  seed = dropout.seed(jax.random.key(3))
+  keep = dropout.keep_bits(seed, (b, h, t, t), rate)
+  assert 0.5 < float(jnp.mean(keep)) < 0.9
   cot = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
 
   def by_autodiff(q, k, v, bias):
@@ -542,11 +546,11 @@ def test_attention_dropout_is_autodiff_through_the_dropped_softmax(kv_heads):
     kk, vv = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)  # [b, t, h, d]
     scores = jnp.einsum("bthd,bshd->bhts", q, kk) * d**-0.5 + bias
     probs = jax.nn.softmax(jnp.where(mask, scores, ops.MASK_VALUE), axis=-1)
-    out = jnp.einsum("bhts,bshd->bthd", jnp.where(keep, probs / (1.0 - rate), 0.0), vv)
+    out = jnp.einsum("bhts,bshd->bthd", jnp.where(keep, probs / dropout.keep_probability(rate), 0.0), vv)
     return jnp.where(jnp.moveaxis(ops.rows_attend(mask), 1, 2)[..., None], out, 0.0)
 
   def fused(q, k, v, bias):
-    return attn.softmax_attention(q, k, v, mask, bias, d**-0.5, dropout_rate=rate, keep=keep)
+    return attn.softmax_attention(q, k, v, mask, bias, d**-0.5, dropout_rate=rate, seed=seed)
 
   def run(f):
     loss = lambda *a: jnp.sum(f(*a) * cot)

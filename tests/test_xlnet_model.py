@@ -528,6 +528,8 @@ def test_relative_attention_is_the_softmax_of_the_three_terms(dropout):
   k, v, the encodings, the three biases and the segment embedding; memory, a position encoding per
   row (bi_data) and a query row with no key, which gets the mean of V (without dropout; with it,
   XLNet's softmax would drop part of that mean, and the row is left out)."""
+  from tfx.ops import dropout as dropout_ops
+
   rng = np.random.default_rng(11)
   b, t, m, h, d = 2, 6, 3, 2, 4
   s = m + t
@@ -544,7 +546,8 @@ def test_relative_attention_is_the_softmax_of_the_three_terms(dropout):
     score = X.relative_scores(q, k, k_r, biases, seg_embed, seg_diff) * scale  # [b, h, t, s]
     probs = jax.nn.softmax(jnp.where(mask[:, None], score, -1e30), axis=-1)
     if dropout:
-      probs = jnp.where(jax.random.bernoulli(key, 1.0 - dropout, probs.shape), probs / (1.0 - dropout), 0.0)
+      keep = dropout_ops.keep_bits(dropout_ops.seed(key), probs.shape, dropout)  # [b, h, t, s]
+      probs = jnp.where(keep, probs / dropout_ops.keep_probability(dropout), 0.0)
     return jnp.einsum("bhts,bshd->bthd", probs, v)
 
   fused = functools.partial(X.relative_attention, seg_diff=seg_diff, mask=mask, scale=scale, dropout_rate=dropout,

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from tfx import ops
-from tfx.ops import activations, hoisting, target
+from tfx.ops import activations, dropout, hoisting, target
 
 Dtype = Any
 
@@ -418,10 +418,12 @@ class Mlp(nn.Module):
 
 
 class Dropout(nn.Module):
-  """flax's `nn.Dropout` (the same random draws from the `dropout` collection, bitwise the same
-  outputs) without its zeros of the input's shape built from a constant: under `jax.grad` the
-  scanned layer stack stores such zeros whole outside its loop and every layer reads them back
-  (`tfx.ops.hoisting`). x [...] -> [...], kept entries scaled by 1 / (1 - rate)."""
+  """Dropout drawn from the `dropout` collection: x [...] -> [...], the entries
+  `tfx.ops.dropout.keep_bits` drops for the layer's seed zeroed and the others scaled by 1 / P(keep).
+  Unlike flax's `nn.Dropout` (threefry bits, a bool mask XLA writes out and reads back in the
+  backward pass), the bits are a counter hash drawn where they are used, forward and backward
+  (`tfx.ops.dropout.dropout`); nor are there zeros of the input's shape built from a constant,
+  which a scanned stack under `jax.grad` would store whole outside its loop (`tfx.ops.hoisting`)."""
 
   rate: float
 
@@ -431,6 +433,4 @@ class Dropout(nn.Module):
       return x
     if self.rate == 1.0:  # as flax: zeros, and no NaN gradient from 1 / 0
       return hoisting.where(False, x, 0.0)
-    keep_prob = 1.0 - self.rate
-    keep = jax.random.bernoulli(self.make_rng("dropout"), p=keep_prob, shape=x.shape)
-    return hoisting.where(keep, x / keep_prob, 0.0)
+    return dropout.dropout(x, dropout.seed(self.make_rng("dropout")), self.rate)

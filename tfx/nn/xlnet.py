@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from tfx import ops
+from tfx.ops import dropout as dropout_ops
 from tfx.ops import hoisting
 from tfx.nn.layers import DenseGeneral, Dropout, Mlp, ModelConfig, Norm, add_bias, constrain, take_rows
 
@@ -381,8 +382,8 @@ def relative_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_r: jax.Array,
   if dropout_rate > 0.0:
     ops.log_choice("xla", f"model.attention_dropout={dropout_rate}: no fused kernel takes XLNet's relative terms "
                    "with dropout")
-    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, bias.shape)  # [b, h, t, s]
-    out = ops.attention.softmax_attention(q_w, k, v, mask4, bias, scale, dropout_rate=dropout_rate, keep=keep)
+    out = ops.attention.softmax_attention(q_w, k, v, mask4, bias, scale, dropout_rate=dropout_rate,
+                                          seed=dropout_ops.seed(dropout_rng))  # bits of [b, h, t, s]
   else:
     out = ops.dot_product_attention(q_w, k, v, bias=bias, scale=scale, mask=mask4, implementation=implementation)
   if mask is None:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from tfx.ops import flash, hoisting, splash, target
+from tfx.ops import dropout, flash, hoisting, splash, target
 from tfx.ops.masks import SEGMENT_ID_KERNELS, LengthMask, SegmentMask, SegmentRuns, dense_mask, rows_attend
 
 Implementation = Literal["auto", "xla", "cudnn", "pallas", "splash", "reference"]
@@ -138,14 +138,18 @@ def _scores(q, k, mask, bias, scale):
   return s
 
 
-def _dropped(p: jax.Array, keep: jax.Array | None, rate: float) -> jax.Array:
-  """p [b, k, g, t, s] with attention dropout: kept entries scaled by 1 / (1 - rate), the rest 0."""
-  if keep is None:
+def _dropped(p: jax.Array, seed: jax.Array | None, rate: float) -> jax.Array:
+  """p [b, k, g, t, s] with attention dropout: the entries `tfx.ops.dropout.keep_bits` keeps for
+  the [b, h, t, s] probabilities under `seed` scaled by 1 / P(keep), the rest 0 (p itself for no
+  seed). The bits are drawn where they are used, never stored."""
+  if seed is None:
     return p
-  return hoisting.where(_grouped(keep, p.shape[1]), p * jnp.float32(1.0 / (1.0 - rate)), 0.0)
+  b, kh, g, t, s = p.shape
+  keep = dropout.keep_bits(seed, (b, kh * g, t, s), rate).reshape(p.shape)  # [b, k, g, t, s]
+  return hoisting.where(keep, p * jnp.float32(1.0 / dropout.keep_probability(rate)), 0.0)
 
 
-def _attention_fwd(q, k, v, mask, bias, keep, scale, rate):
+def _attention_fwd(q, k, v, mask, bias, seed, scale, rate):
   """Returns (out [b, t, h, d], residuals). The softmax is left unnormalised, [b, k, g, t, s], and
   its row sums divide the output [b, t, h, d] instead (d values per row rather than s)."""
   b, t, h, d = q.shape
@@ -156,18 +160,18 @@ def _attention_fwd(q, k, v, mask, bias, keep, scale, rate):
   p = hoisting.where(top > 0.5 * MASK_VALUE, jnp.exp(s - top), 0.0)
   total = jnp.sum(p, axis=-1)  # [b, k, g, t]: 0 for such a row, else >= 1 (the max gives exp(0))
   inv_l = hoisting.where(total > 0.0, 1.0 / jnp.maximum(total, 1.0), 0.0)
-  out = _pv(_dropped(p, keep, rate).astype(v.dtype), v)  # [b, t, k, g, d]
+  out = _pv(_dropped(p, seed, rate).astype(v.dtype), v)  # [b, t, k, g, d]
   out = out * jnp.moveaxis(inv_l, 3, 1)[..., None]  # [b, t, k, g, d]
   # The residual in the compute dtype: the backward pass rounds dS to it before its matmuls anyway,
   # and in bf16 it halves the largest array a layer keeps (and the scan stacks).
   p = p.astype(q.dtype)
   p, inv_l, out = (checkpoint_name(x, n) for x, n in zip((p, inv_l, out), RESIDUAL_NAMES))
-  return out.reshape(b, t, h, d).astype(q.dtype), (q, k, v, bias, keep, p, inv_l, out)
+  return out.reshape(b, t, h, d).astype(q.dtype), (q, k, v, bias, seed, p, inv_l, out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _attention(q, k, v, mask, bias, keep, scale, rate):
-  return _attention_fwd(q, k, v, mask, bias, keep, scale, rate)[0]
+def _attention(q, k, v, mask, bias, seed, scale, rate):
+  return _attention_fwd(q, k, v, mask, bias, seed, scale, rate)[0]
 
 
 def _sum_to_bias(d_s: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -188,15 +192,17 @@ def _sum_to_bias(d_s: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 def _attention_bwd(scale, rate, residuals, d_out):
-  q, k, v, bias, keep, p, inv_l, out = residuals  # no mask: p is exactly 0 wherever it is False
+  q, k, v, bias, seed, p, inv_l, out = residuals  # no mask: p is exactly 0 wherever it is False
+  if seed is not None:  # the keep bits drawn again: XLA may not merge them with the forward pass's
+    seed = jax.lax.optimization_barrier(seed)
   p = p.astype(jnp.float32)  # [b, k, g, t, s]
   b, t, h, d = q.shape
   kh = k.shape[2]
   # dS = P * (dP - rowsum(dO * O)) with P = p / l: fold 1/l into dO once ([b, t, k, g, d]). With
   # dropout, dP is dO . V^T where kept (scaled), and rowsum(P * dP) is still rowsum(dO * O).
   d_out = d_out.reshape(b, t, kh, h // kh, d).astype(jnp.float32) * jnp.moveaxis(inv_l, 3, 1)[..., None]
-  d_v = _ptx(_dropped(p, keep, rate).astype(v.dtype), d_out.astype(v.dtype))  # [b, s, k, d]
-  d_p = _dropped(_qk(d_out.astype(v.dtype), v), keep, rate)  # [b, k, g, t, s]
+  d_v = _ptx(_dropped(p, seed, rate).astype(v.dtype), d_out.astype(v.dtype))  # [b, s, k, d]
+  d_p = _dropped(_qk(d_out.astype(v.dtype), v), seed, rate)  # [b, k, g, t, s]
   row = jnp.moveaxis(jnp.sum(d_out * out, axis=-1), 1, 3)  # [b, k, g, t]
   d_s = p * (d_p - row[..., None])  # [b, k, g, t, s]; 0 wherever the mask is False (p is 0 there)
   d_bias = None
@@ -211,7 +217,7 @@ def _attention_bwd(scale, rate, residuals, d_out):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def softmax_attention(q, k, v, mask, bias, scale, *, dropout_rate: float = 0.0, keep: jax.Array | None = None):
+def softmax_attention(q, k, v, mask, bias, scale, *, dropout_rate: float = 0.0, seed: jax.Array | None = None):
   """Einsum attention for XLA (CPU, TPU, and GPU when cuDNN does not apply), with a hand-written
   backward pass. The same function as `reference_attention` (tests compare values and gradients)
   with fewer passes over the [b, k, g, t, s] scores and one [b, k, g, t, s] residual (the
@@ -223,11 +229,15 @@ def softmax_attention(q, k, v, mask, bias, scale, *, dropout_rate: float = 0.0, 
   A query row with no allowed key gets exact zeros (output and gradients), never the mean of V.
 
   Args: as `reference_attention` (mask bool, bias float, both [b|1, h|1, t, s] or None); scale a
-  Python float; attention dropout: `keep` [b, h|1, t, s] bool, the probabilities kept (scaled by
-  1 / (1 - dropout_rate)), or None. With dropout the identity the backward pass uses still holds:
+  Python float; attention dropout at `dropout_rate` with `seed` (uint32 scalar, `tfx.ops.dropout.seed`
+  of the layer's key): the [b, h, t, s] probabilities `tfx.ops.dropout.keep_bits` keeps (the bits
+  the Pallas kernel draws too), scaled by 1 / P(keep); drawn in the forward and again in the
+  backward pass, never stored. With dropout the identity the backward pass uses still holds:
   rowsum(P * dP) = rowsum(dO * O) with O the dropped output. Returns [b, t, h, d] in q's dtype.
   """
-  return _attention(q, k, v, mask, bias, keep, float(scale), float(dropout_rate) if keep is not None else 0.0)
+  if seed is None or not dropout_rate:
+    seed, dropout_rate = None, 0.0
+  return _attention(q, k, v, mask, bias, seed, float(scale), float(dropout_rate))
 
 
 def _on_gpu() -> bool:

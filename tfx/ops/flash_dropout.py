@@ -9,13 +9,13 @@ for an H100 at 32 rows: 113.3 GB a step against 43.3 with dropout off). These ke
 keep mask inside the kernel from a counter hash and never write it, nor any [b, h, t, s] array.
 
 What they compute (the same as `tfx.nn.attention._reference_with_dropout` over a `SegmentMask`,
-with a different random stream): p = softmax(q k^T * scale) over the keys a query may attend
-(its own segment; at or before it when causal), out = (p * keep / P(keep)) v. The keep bit of
-score (row, head, query, key) is `keep_mask`: a hash of the step's seed, the *global* row and
-head (a shard adds its offsets) and the query and key positions, so that every mesh, block
-size and kernel draws the same mask, the backward kernels draw it again bit for bit, and the
-tests rebuild it in XLA. It is not the stream XLA's path draws (`jax.random.bernoulli`): turning
-the kernel on changes which probabilities are dropped, not how many on average.
+the same dropped scores): p = softmax(q k^T * scale) over the keys a query may attend (its own
+segment; at or before it when causal), out = (p * keep / P(keep)) v. The keep bit of score (row,
+head, query, key) is `keep_mask`, `tfx.ops.dropout.keep_bits` of [b, h, t, s]: a hash of the
+step's seed, the *global* row and head (a shard adds its offsets) and the query and key
+positions, so that every mesh, block size and kernel draws the same mask, the backward kernels
+draw it again bit for bit, and XLA's attention with dropout draws it too (since stop 64; before,
+XLA's path drew threefry bits): turning the kernel on changes no dropped score.
 
 Kernels (each program one (block, row, head)): the forward pass keeps an online softmax over
 key blocks and returns the output and each query's log-sum-exp; the backward pass runs one
@@ -34,61 +34,23 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from tfx.ops import flash, target
+from tfx.ops import dropout, flash, target
+from tfx.ops.dropout import keep_probability
 
 # Large finite negative for masked scores (as `tfx.ops.attention.MASK_VALUE`: a block whose keys
 # are all masked gives weights that the next block's correction then zeroes).
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-# A keep bit compares the hash's top 23 bits with the rate.
-_BITS = 23
-_GOLDEN = 0x9E3779B9
-
-
-def _mix(x: jax.Array) -> jax.Array:
-  """A bijection of uint32 that spreads every input bit over the output (the 'lowbias32'
-  multipliers and shifts found by Wellons' hash prospector)."""
-  x = x ^ (x >> 16)
-  x = x * jnp.uint32(0x7FEB352D)
-  x = x ^ (x >> 15)
-  x = x * jnp.uint32(0x846CA68B)
-  return x ^ (x >> 16)
-
-
-def _stream(seed: jax.Array, row: jax.Array, head: jax.Array) -> jax.Array:
-  """The uint32 key of one (global row, head)'s scores under one seed (any broadcastable shapes)."""
-  row = lax.convert_element_type(row, jnp.uint32)
-  head = lax.convert_element_type(head, jnp.uint32)
-  return _mix(_mix(seed ^ _mix(row + jnp.uint32(_GOLDEN))) + head)
-
-
-def _threshold(rate: float) -> int:
-  """Scores whose hash's top bits fall below this are dropped: P(drop) = threshold / 2**23."""
-  return int(round(rate * (1 << _BITS)))
-
-
-def keep_probability(rate: float) -> float:
-  """P(keep) of a score at dropout `rate`, exactly as the 23-bit threshold draws it."""
-  return 1.0 - _threshold(rate) / (1 << _BITS)
-
-
-def _kept(key: jax.Array, query: jax.Array, key_pos: jax.Array, keys: int, threshold: int) -> jax.Array:
-  """Keep bits of scores at (query, key_pos) positions (int32, broadcast against each other) of
-  the stream `key`, over rows of `keys` keys."""
-  counter = lax.convert_element_type(query * keys + key_pos, jnp.uint32)
-  bits = _mix(_mix(counter ^ key) + key)
-  return lax.convert_element_type(bits >> (32 - _BITS), jnp.int32) >= threshold
+# The keep bits are `tfx.ops.dropout`'s counter hash: a stream key per (global row, head), the
+# query and key positions its counter.
+_kept, _stream, _threshold = dropout.kept, dropout.stream, dropout.threshold
 
 
 def keep_mask(seed: jax.Array, shape: tuple[int, int, int, int], rate: float, first_row: int = 0,
               first_head: int = 0) -> jax.Array:
   """bool [b, h, t, s]: the keep bits the kernels draw for rows first_row.. and heads
-  first_head.. of a batch under `seed` (uint32 scalar), built in XLA (for tests and references)."""
-  b, h, t, s = shape
-  rows = first_row + lax.broadcasted_iota(jnp.int32, (b, h, 1, 1), 0)
-  heads = first_head + lax.broadcasted_iota(jnp.int32, (b, h, 1, 1), 1)
-  query = lax.broadcasted_iota(jnp.int32, (1, 1, t, s), 2)
-  key_pos = lax.broadcasted_iota(jnp.int32, (1, 1, t, s), 3)
-  return _kept(_stream(seed, rows, heads), query, key_pos, s, _threshold(rate))
+  first_head.. of a batch under `seed` (uint32 scalar), built in XLA: `tfx.ops.dropout.keep_bits`,
+  which XLA's attention with dropout draws too."""
+  return dropout.keep_bits(seed, shape, rate, first_row, first_head)
 
 
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool,
@@ -356,7 +318,7 @@ def dropout_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_id
 
 def dropout_seed(rng: jax.Array) -> jax.Array:
   """The uint32 seed a layer's kernel call draws its keep bits from, given its dropout key."""
-  return jax.random.bits(rng, (), jnp.uint32)
+  return dropout.seed(rng)
 
 
 def fused_dropout_attention(q, k, v, mask, bias, scale: float, rate: float, rng: jax.Array,
