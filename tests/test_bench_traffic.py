@@ -137,6 +137,24 @@ def test_an_xla_dumps_async_start_counts_as_the_slice_or_copy_it_wraps():
   assert bench_traffic.kernels(generic) == bench_traffic.kernels(HLO)
 
 
+def test_a_loop_without_a_known_trip_count_is_counted_from_its_condition():
+  # XLA:TPU writes no known_trip_count: the trips are read off `counter < N` on a tuple element the
+  # loop's initial tuple sets to a constant (through a copy, as XLA:TPU writes it); <= runs once more
+  bare = HLO.replace(', backend_config={"known_trip_count":{"n":"12"}}', "")
+  bare = bare.replace("  %init = (s32[], bf16[12,8,1024]{2,1,0}) tuple(%zero, %p0)",
+                      "  %start = s32[] copy(%zero)\n  %init = (s32[], bf16[12,8,1024]{2,1,0}) tuple(%start, %p0)")
+  assert "known_trip_count" not in bare and "%start = s32[] copy(%zero)" in bare
+  counted = bare.replace(
+      "  ROOT %p = pred[] constant(true)",
+      "  %n = s32[] constant(12)\n  %c = s32[] get-tuple-element(%arg), index=0\n"
+      "  ROOT %p = pred[] compare(%c, %n), direction=LT")
+  assert [k for k in bench_traffic.kernels(counted) if k.name != "start"] == bench_traffic.kernels(HLO)
+  trips = lambda text: {k.name: k.count for k in bench_traffic.kernels(text)}["row"]
+  assert trips(counted.replace("direction=LT", "direction=LE")) == 13
+  assert trips(bare) == 1  # a condition it cannot read: one trip, as before
+  assert trips(counted.replace("%c, %n", "%n, %c")) == 1
+
+
 def test_kernels_count_what_each_reads_and_writes_times_the_loop_trips():
   kernels = {k.name: k for k in bench_traffic.kernels(HLO)}
   # negate.8's attributes span three lines (as splash's kernel metadata does on a TPU): what follows

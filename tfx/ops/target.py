@@ -128,7 +128,9 @@ def unrolled_layers() -> bool:
   with other changes beside it) ran the unrolled steps 1.2-2.1x faster; the byte count predicted the
   fusions' time within about 5%. The price is memory (above) and compile time (about twice, and
   growing with depth where a scan's does not): `model.scan_unroll=1` keeps the scan. On a CPU the
-  scan costs no step time and saves memory and compile time; on a TPU it has not been timed.
+  scan costs no step time and saves memory and compile time; on a TPU (not timed) BERT-base's step
+  for a v5e 2x2 moves 10% fewer bytes unrolled for the same memory, but compiles four times longer
+  (610 against 154 s here), so a TPU keeps the scan too.
   """
   return backend() == "gpu"
 
