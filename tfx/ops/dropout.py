@@ -2,8 +2,9 @@
 Pallas attention kernel (`tfx.ops.flash_dropout`).
 
 A keep bit is a function of the layer's seed (one uint32 drawn from its `dropout` key for the step:
-`seed`) and the element's coordinates in the whole array, nothing else: two rounds of a 32-bit
-mixer over a per-row stream key and the column, whose top 23 bits are compared with the rate.
+`seed`) and the element's coordinates in the whole array, nothing else: a stream key per row and
+head (three rounds of a 32-bit mixer over the seed, the row and the head) and two more rounds over
+the counter within it, whose top 23 bits are compared with the rate.
 So the bits are the same on every mesh (an iota over a sharded array gives each shard its global
 coordinates), in every kernel and block size, and the backward pass draws them again instead of
 reading a stored mask: `dropout` keeps only the seed for its gradient. XLA fuses the hash into the
