@@ -214,3 +214,24 @@ def test_electra_tiny_trains_resumes_exactly_and_exports_the_discriminator(tmp_p
   backbone = jax.device_get(state.params["backbone"])
   for name in ("token_embed", "encoder", "embed_norm"):
     jax.tree.map(np.testing.assert_array_equal, backbone[name], split_params(final)[0][name])
+
+
+def test_a_bf16_generator_hands_the_loss_its_bf16_logits():
+  """In bf16 the generator's logits stay bf16 (the loss reads them in float32 and writes their
+  gradient in one bf16 pass, `ops.losses.log_z_and_target`) and its masked-LM loss is exactly the
+  loss of the same logits cast to float32 first (what it returned before)."""
+  from tfx import ops
+  from tfx.objectives.electra import Generator
+
+  objective, model, state, _, batch = _setup()
+  cfg = dataclasses.replace(generator_config(model.cfg, objective.generator_size), dtype="bfloat16")
+  params = split_params(state.params)[1]["generator"]
+  table = split_params(state.params)[0]["token_embed"]["embedding"]
+  embedded = jnp.asarray(np.random.default_rng(2).normal(size=(4, SEQ, model.cfg.d_model)), jnp.bfloat16)
+  logits = Generator(cfg, model.cfg.d_model).apply({"params": params}, embedded, jnp.asarray(batch["segment_ids"]),
+                                                   jnp.asarray(batch["positions"]), table)
+  assert logits.dtype == jnp.bfloat16 and logits.shape == (4, SEQ, 512)
+  weights = jnp.asarray(batch["segment_ids"] > 0, jnp.float32)
+  got, _ = ops.weighted_cross_entropy(logits, jnp.asarray(batch["tokens"]), weights)
+  want, _ = ops.weighted_cross_entropy(logits.astype(jnp.float32), jnp.asarray(batch["tokens"]), weights)
+  assert float(got) == float(want) and np.isfinite(float(got))

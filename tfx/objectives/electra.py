@@ -65,7 +65,9 @@ class Generator(nn.Module):
   @nn.compact
   def __call__(self, embedded, segment_ids, positions, table, *, train: bool = False, rows=None):
     """embedded [b, t, E] (the shared embedding layer's output), segment_ids / positions [b, t],
-    table [v, E] (the shared token embeddings) -> logits [b, t, v] float32. With `rows` [b, n]
+    table [v, E] (the shared token embeddings) -> logits [b, t, v] in the compute dtype (the loss
+    reads them in float32: `ops.weighted_cross_entropy`, whose gradient for bf16 logits is one
+    hand-written pass, not autodiff's float32 copy and scatter). With `rows` [b, n]
     int: the logits at those positions only, [b, n, v]; the stack's last layer and the head then
     run there alone (`Stack`'s `rows`)."""
     cfg, e = self.cfg, self.embed_dim
@@ -86,7 +88,7 @@ class Generator(nn.Module):
     bias = self.param("output_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
                       (table.shape[0],), jnp.float32)
     logits = project(h.astype(cfg.compute_dtype), table, True)  # [b, t, v]; the table's gradient in float32
-    return add_bias(logits, bias).astype(jnp.float32)
+    return add_bias(logits, bias)
 
 
 class DiscriminatorHead(nn.Module):
@@ -114,7 +116,7 @@ def at_slots(base: jax.Array, where: jax.Array, values: jax.Array) -> jax.Array:
 def sample_rows(rng: jax.Array, logits: jax.Array, temperature: float) -> jax.Array:
   """One sample per position from softmax(logits / temperature), row r from split(rng, b)[r]:
   logits [b, t, v] -> [b, t] int32. No gradient flows through it."""
-  logits = jax.lax.stop_gradient(logits) / temperature
+  logits = jax.lax.stop_gradient(logits).astype(jnp.float32) / temperature  # bf16 logits sampled in float32
   keys = jax.random.split(rng, logits.shape[0])
   return jax.vmap(lambda k, row: jax.random.categorical(k, row, axis=-1))(keys, logits).astype(jnp.int32)
 
