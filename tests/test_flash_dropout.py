@@ -1,6 +1,6 @@
 """tfx's Pallas flash attention with dropout (`tfx.ops.flash_dropout`; the kernels interpreted on
 this CPU): values and gradients against XLA attention that drops the same scores
-(`keep_mask`), nothing flowing from a future or a padding token, the keep bits' statistics, a
+(`tfx.ops.dropout.keep_bits`), nothing flowing from a future or a padding token, the keep bits' statistics, a
 draw that neither the block size nor the mesh changes, and a model's wiring (the log line, the
 step's seed) with `model.attention=pallas`."""
 
@@ -20,6 +20,7 @@ from tests.test_ops import random_packed
 from tfx import ops
 from tfx.models import build_model
 from tfx.ops import attention as attn
+from tfx.ops import dropout
 from tfx.ops import flash_dropout as fd
 
 
@@ -88,16 +89,16 @@ def test_keep_bits_are_fair_and_independent(rate):
   the next seed (independent draws: P(keep)**2); one seed's mask is the same array again."""
   p = fd.keep_probability(rate)
   assert abs(p - (1 - rate)) < 2**-22
-  keep = np.asarray(fd.keep_mask(jnp.uint32(7), (4, 4, 256, 256), rate))  # [b, h, t, s]
+  keep = np.asarray(dropout.keep_bits(jnp.uint32(7), (4, 4, 256, 256), rate))  # [b, h, t, s]
   n = keep.size
   assert abs(keep.mean() - p) < 5 * np.sqrt(p * (1 - p) / n), keep.mean()
-  other = np.asarray(fd.keep_mask(jnp.uint32(8), (4, 4, 256, 256), rate))
+  other = np.asarray(dropout.keep_bits(jnp.uint32(8), (4, 4, 256, 256), rate))
   pairs = {"query": (keep[:, :, 1:], keep[:, :, :-1]), "key": (keep[..., 1:], keep[..., :-1]),
            "head": (keep[:, 1:], keep[:, :-1]), "row": (keep[1:], keep[:-1]), "seed": (keep, other)}
   for name, (a, b) in pairs.items():
     both = np.mean(a & b)
     assert abs(both - p * p) < 5 * np.sqrt(p * p * (1 - p * p) / a.size), (name, both, p * p)
-  np.testing.assert_array_equal(keep, fd.keep_mask(jnp.uint32(7), (4, 4, 256, 256), rate))
+  np.testing.assert_array_equal(keep, dropout.keep_bits(jnp.uint32(7), (4, 4, 256, 256), rate))
 
 
 def test_the_draw_is_the_same_for_every_block_size():
@@ -124,6 +125,7 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 import jax, jax.numpy as jnp, ml_collections, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tfx import parallel
+from tfx.ops import dropout
 from tfx.ops import flash_dropout as fd
 
 mesh = parallel.make_mesh(ml_collections.ConfigDict(dict(data=2, fsdp=2, tensor=2)))

@@ -20,7 +20,7 @@ allowed key (padding, the first token of a permutation's query stream) must come
 
 The `*_dropout` cases check `pallas` alone, on a GPU, the one kernel that applies attention
 dropout (`tfx.ops.flash_dropout`): its output and gradients against the reference dropping the same
-scores (`flash_dropout.keep_mask`, drawn in XLA), which also checks that the GPU compiled the
+scores (`tfx.ops.dropout.keep_bits`, drawn in XLA), which also checks that the GPU compiled the
 kernel's keep-bit hash as the interpreter runs it.
 """
 
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tfx import ops
-from tfx.ops import flash_dropout
+from tfx.ops import dropout, flash_dropout
 
 # Largest error relative to the largest reference value. Float32 allows TF32 matmuls (a GPU's
 # default precision); bf16 and fp16 keep 8 and 11 bits of mantissa in q, k, v and the output.
@@ -168,7 +168,7 @@ def reference(case: Case) -> list[np.ndarray]:
     if case.dropout:
       return flash_dropout.reference_attention(
           *(x.astype(jnp.float32) for x in (q, k, v)), case.mask.segment_ids, causal=case.mask.causal,
-          scale=q.shape[-1] ** -0.5, rate=case.dropout, seed=flash_dropout.dropout_seed(jax.random.key(DROPOUT_KEY)))
+          scale=q.shape[-1] ** -0.5, rate=case.dropout, seed=dropout.seed(jax.random.key(DROPOUT_KEY)))
     out = ops.reference_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask=mask,
                                   bias=bias)
     return jnp.where(attends, out, 0.0)

@@ -11,7 +11,7 @@ keep mask inside the kernel from a counter hash and never write it, nor any [b, 
 What they compute (the same as `tfx.nn.attention._reference_with_dropout` over a `SegmentMask`,
 the same dropped scores): p = softmax(q k^T * scale) over the keys a query may attend (its own
 segment; at or before it when causal), out = (p * keep / P(keep)) v. The keep bit of score (row,
-head, query, key) is `keep_mask`, `tfx.ops.dropout.keep_bits` of [b, h, t, s]: a hash of the
+head, query, key) is `tfx.ops.dropout.keep_bits` of [b, h, t, s]: a hash of the
 step's seed, the *global* row and head (a shard adds its offsets) and the query and key
 positions, so that every mesh, block size and kernel draws the same mask, the backward kernels
 draw it again bit for bit, and XLA's attention with dropout draws it too (since stop 64; before,
@@ -40,25 +40,14 @@ from tfx.ops.dropout import keep_probability
 # Large finite negative for masked scores (as `tfx.ops.attention.MASK_VALUE`: a block whose keys
 # are all masked gives weights that the next block's correction then zeroes).
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-# The keep bits are `tfx.ops.dropout`'s counter hash: a stream key per (global row, head), the
-# query and key positions its counter.
-_kept, _stream, _threshold = dropout.kept, dropout.stream, dropout.threshold
-
-
-def keep_mask(seed: jax.Array, shape: tuple[int, int, int, int], rate: float, first_row: int = 0,
-              first_head: int = 0) -> jax.Array:
-  """bool [b, h, t, s]: the keep bits the kernels draw for rows first_row.. and heads
-  first_head.. of a batch under `seed` (uint32 scalar), built in XLA: `tfx.ops.dropout.keep_bits`,
-  which XLA's attention with dropout draws too."""
-  return dropout.keep_bits(seed, shape, rate, first_row, first_head)
 
 
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool,
                         scale: float, rate: float, seed: jax.Array) -> jax.Array:
   """What `dropout_flash_attention` computes, as einsums in XLA with [b, h, t, s] arrays: the
-  softmax in float32 over the segment mask, `keep_mask`'s scores kept and scaled by 1 / P(keep),
-  padding queries zero ([b, t, h, d] in v's dtype; the tests' and `tfx.check_attention`'s
-  reference)."""
+  softmax in float32 over the segment mask, the scores `tfx.ops.dropout.keep_bits` keeps kept and
+  scaled by 1 / P(keep), padding queries zero ([b, t, h, d] in v's dtype; the tests' and
+  `tfx.check_attention`'s reference)."""
   from tfx.ops.masks import SegmentMask  # noqa: PLC0415
 
   b, t, h, _ = q.shape
@@ -67,7 +56,7 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: j
   scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) * scale  # [b, h, t, s]
   scores = jnp.where(SegmentMask(segment_ids, causal).dense(), scores, MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1)
-  keep = keep_mask(seed, (b, h, t, t), rate)
+  keep = dropout.keep_bits(seed, (b, h, t, t), rate)
   probs = jnp.where(keep, probs / keep_probability(rate), 0.0).astype(v.dtype)
   out = jnp.einsum("bhts,bshd->bthd", probs, v)
   return jnp.where((segment_ids > 0)[:, :, None, None], out, 0.0)
@@ -86,7 +75,7 @@ class _Static:
 
   @property
   def threshold(self) -> int:
-    return _threshold(self.rate)
+    return dropout.threshold(self.rate)
 
   @property
   def keep_scale(self) -> float:  # 1 / P(keep)
@@ -96,7 +85,7 @@ class _Static:
 def _program_stream(seeds_ref) -> jax.Array:
   """This program's stream key: seeds_ref holds (seed, first row, first head, 0) of the shard."""
   seed = lax.convert_element_type(seeds_ref[0], jnp.uint32)
-  return _stream(seed, seeds_ref[1] + pl.program_id(1), seeds_ref[2] + pl.program_id(2))
+  return dropout.stream(seed, seeds_ref[1] + pl.program_id(1), seeds_ref[2] + pl.program_id(2))
 
 
 def _scores(q, k, q_ids, k_ids, q0, k0, static: _Static):
@@ -133,7 +122,7 @@ def _forward_kernel(seeds_ref, q_ref, k_ref, v_ref, ids_ref, o_ref, lse_ref, *, 
     correction = jnp.exp(m - m_new)  # [bq]
     w = jnp.exp(s - m_new[:, None])  # [bq, bk] unnormalised probabilities
     l = correction * l + jnp.sum(w, axis=1)
-    w = jnp.where(_kept(key, query, key_pos, t, static.threshold), w, 0.0)
+    w = jnp.where(dropout.kept(key, query, key_pos, t, static.threshold), w, 0.0)
     v = v_ref[pl.ds(k0, block), :]  # [bk, d]
     acc = correction[:, None] * acc + _dot(w.astype(v.dtype), v)
     return acc, m_new, l
@@ -148,7 +137,7 @@ def _forward_kernel(seeds_ref, q_ref, k_ref, v_ref, ids_ref, o_ref, lse_ref, *, 
 def _recomputed(key, q, k, q_ids, k_ids, lse, q0, k0, t, static: _Static):
   """(probabilities p [bq, bk], keep bits) of one block pair, from the forward pass' log-sum-exp."""
   s, query, key_pos = _scores(q, k, q_ids, k_ids, q0, k0, static)
-  return jnp.exp(s - lse[:, None]), _kept(key, query, key_pos, t, static.threshold)
+  return jnp.exp(s - lse[:, None]), dropout.kept(key, query, key_pos, t, static.threshold)
 
 
 def _grad_scores(p, kept, do, v, delta, static: _Static):
@@ -288,12 +277,12 @@ def dropout_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_id
     causal: whether key j > query i is masked.
     scale: the score scale.
     rate: the dropout rate, in [0, 1).
-    seed: uint32 scalar, this call's (a fresh one per step and layer: `jax.random.bits`).
+    seed: uint32 scalar, this call's (a fresh one per step and layer: `tfx.ops.dropout.seed`).
     interpret: run Pallas' interpreter; default: off a GPU.
 
   Returns:
-    [b, t, h, d] in q's dtype: `keep_mask(seed, ...)` applied to the probabilities, kept ones
-    scaled by 1 / P(keep).
+    [b, t, h, d] in q's dtype: `tfx.ops.dropout.keep_bits(seed, ...)` applied to the
+    probabilities, kept ones scaled by 1 / P(keep).
   """
   if not 0.0 <= rate < 1.0:
     raise ValueError(f"attention dropout must be in [0, 1), got {rate}")
@@ -316,11 +305,6 @@ def dropout_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_id
   return flash.per_device(kernel, q, k, v, segment_ids, seed, offsets=True)
 
 
-def dropout_seed(rng: jax.Array) -> jax.Array:
-  """The uint32 seed a layer's kernel call draws its keep bits from, given its dropout key."""
-  return dropout.seed(rng)
-
-
 def fused_dropout_attention(q, k, v, mask, bias, scale: float, rate: float, rng: jax.Array,
                             implementation: str) -> tuple[jax.Array | None, str]:
   """(output, why): these kernels' attention with dropout when `implementation` picks the Pallas
@@ -333,7 +317,7 @@ def fused_dropout_attention(q, k, v, mask, bias, scale: float, rate: float, rng:
   refused = unsupported(q, k, mask, bias) if impl == "pallas" else None
   if impl == "pallas" and refused is None:
     out = dropout_flash_attention(q, k, v, mask.segment_ids, causal=mask.causal, scale=scale, rate=rate,
-                                  seed=dropout_seed(rng))
+                                  seed=dropout.seed(rng))
     why = f"{why}; dropout {rate} drawn in the kernel"
   else:
     out = None
