@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tfx import check_attention
+from tfx import check_attention, ops
 from tfx.ops import attention as attn
 
 
@@ -22,7 +22,8 @@ def test_cases_cover_the_masks_of_every_family(cases):
   """Causal / bidirectional packed rows as segment ids, grouped-query heads, the dense masks
   (prefix LM, both XLNet streams, cross attention), T5's bias beside a packed mask and beside rows'
   lengths, XLNet's terms as a bias per row; the query stream has rows with no key; a packed row and
-  rows' lengths at an odd length; packed rows as runs for cuDNN's packed layout, fitting it or not."""
+  rows' lengths at an odd length; packed rows as runs for cuDNN's packed layout, fitting it or not;
+  attention dropout on self-attention's segment ids and on a cross attention's ids."""
   names = [c.name for c in cases]
   assert names == ["causal_packed", "causal_padded", "bidirectional_padded", "grouped_query_causal",
                    "causal_packed_runs", "bidirectional_padded_runs", "grouped_query_causal_runs",
@@ -30,8 +31,8 @@ def test_cases_cover_the_masks_of_every_family(cases):
                    "two_stream_content", "two_stream_query", "cross", "biased_packed", "biased_lengths",
                    "biased_causal_lengths", "biased_two_stream", "cross_lengths", "causal_padded_odd",
                    "biased_causal_lengths_odd", "causal_packed_dropout", "bidirectional_padded_dropout",
-                   "grouped_query_causal_dropout"]
-  assert [c.dropout for c in cases if c.dropout] == [0.1, 0.1, 0.3]
+                   "grouped_query_causal_dropout", "cross_dropout"]
+  assert [c.dropout for c in cases if c.dropout] == [0.1, 0.1, 0.3, 0.1]
   by_name = {c.name: c for c in cases}
   assert [c.name for c in cases if c.bias is not None] == ["biased_packed", "biased_lengths", "biased_causal_lengths",
                                                            "biased_two_stream", "biased_causal_lengths_odd"]
@@ -47,6 +48,9 @@ def test_cases_cover_the_masks_of_every_family(cases):
                                                            "causal_packed_runs_overflow")] == [True, True, False]
   assert isinstance(by_name["causal_padded"].mask, attn.SegmentMask) and by_name["causal_padded"].mask.causal
   assert by_name["grouped_query_causal"].k.shape[2] == 2 and by_name["cross"].k.shape[1] == 16
+  cross = by_name["cross_dropout"]
+  assert isinstance(cross.mask, ops.CrossMask) and cross.k.shape[1] == 16
+  assert bool(jnp.all(cross.mask.dense() == by_name["cross"].mask))
   query, content = by_name["two_stream_query"].mask, by_name["two_stream_content"].mask
   assert not bool(jnp.all(attn.rows_attend(query) | (by_name["causal_padded"].mask.segment_ids == 0)[:, None]))
   assert bool(jnp.all(content >= query)) and not bool(jnp.all(content == query))  # the content stream sees itself
@@ -68,6 +72,7 @@ def test_every_kernel_matches_the_reference(cases, monkeypatch):
   assert ran["cross", "cudnn"].startswith("xla (cuDNN")  # fp32: cuDNN needs bf16 / fp16
   assert ran["causal_packed_dropout", "pallas"] == "pallas (GPU, segment ids; dropout 0.1 drawn in the kernel)"
   assert ("causal_packed_dropout", "cudnn") not in ran
+  assert ran["cross_dropout", "pallas"] == "pallas (GPU, segment ids; dropout 0.1 drawn in the kernel)"
   json.dumps(results)
 
 

@@ -19,6 +19,7 @@ from tests.conftest import ROOT, tiny_config
 from tests.test_ops import random_packed
 from tfx import ops
 from tfx.models import build_model
+from tfx.nn import attention as nn_attention
 from tfx.ops import attention as attn
 from tfx.ops import dropout
 from tfx.ops import flash_dropout as fd
@@ -73,6 +74,51 @@ def test_kernel_is_xla_attention_dropping_the_same_scores(case):
     assert np.any(np.asarray(d_v)[:, :21])
 
 
+def test_cross_attention_kernel_is_xla_attention_dropping_the_same_scores():
+  """A cross attention (48 decoder queries over 32 encoder keys, packed and padded on both sides):
+  the kernel's output and q/k/v gradients equal XLA's attention over the `CrossMask` dropping the
+  same scores, which is what a model's attention runs without the kernel
+  (`tfx.nn.attention._reference_with_dropout`); each query's output depends on the keys and
+  values of its own document only; a decoder document with no encoder keys (id 3 here) and the
+  padding queries give zeros and send no gradient anywhere."""
+  rng = np.random.default_rng(5)
+  b, t, s, h = 2, 48, 32, 2
+  q_ids = jnp.asarray([[1] * 20 + [2] * 20 + [0] * 8, [1] * 30 + [3] * 10 + [0] * 8], jnp.int32)
+  k_ids = jnp.asarray([[1] * 10 + [2] * 16 + [0] * 6, [1] * 28 + [0] * 4], jnp.int32)
+  q = jnp.asarray(rng.normal(size=(b, t, h, 16)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(b, s, h, 16)), jnp.float32) for _ in range(2))
+  cot = jnp.asarray(rng.normal(size=(b, t, h, 16)), jnp.float32)
+  key, rate = jax.random.key(4242), 0.2
+  seed = dropout.seed(key)
+  kw = dict(causal=False, scale=0.25, rate=rate, seed=seed, key_segment_ids=k_ids)
+  kernel = lambda q, k, v: fd.dropout_flash_attention(q, k, v, q_ids, **kw)
+  xla = lambda q, k, v: reference(q, k, v, q_ids, **kw)
+  model_path = lambda q, k, v: nn_attention._reference_with_dropout(
+      q, k, v, ops.rows_mask(q_ids, k_ids).dense(), None, 0.25, rate, key)
+  grads = lambda fn: jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * cot), argnums=(0, 1, 2)))
+
+  out, want = jax.jit(kernel)(q, k, v), xla(q, k, v)
+  np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+  silent = ~np.asarray(jnp.any(ops.segment_mask(q_ids, k_ids), axis=-1))[:, 0]  # [b, t]: padding, document 3
+  assert silent[1, 30:].all() and not np.any(np.asarray(out)[silent]) and np.any(np.asarray(out)[~silent])
+  (got_loss, got), (want_loss, wanted) = grads(kernel)(q, k, v), grads(xla)(q, k, v)
+  np.testing.assert_allclose(got_loss, want_loss, atol=1e-4)
+  for g, w in zip(got, wanted):
+    np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5)
+  assert not np.any(np.asarray(got[0])[silent])
+  key_padding = ~np.asarray(k_ids > 0)
+  assert not np.any(np.asarray(got[1])[key_padding]) and not np.any(np.asarray(got[2])[key_padding])
+  # the model's XLA path (autodiff through tfx.ops.dropout) drops the same scores
+  path_loss, path = grads(model_path)(q, k, v)
+  np.testing.assert_allclose(path_loss, want_loss, atol=1e-4)
+  for g, w in zip(path, wanted):
+    np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5)
+  # row 0's document 1 queries: the keys and values of document 2 get exactly zero gradient
+  d_k, d_v = jax.grad(lambda k, v: jnp.sum(kernel(q, k, v)[0, :20]), argnums=(0, 1))(k, v)
+  assert not np.any(np.asarray(d_k)[0, 10:]) and not np.any(np.asarray(d_v)[0, 10:])
+  assert np.any(np.asarray(d_v)[0, :10])
+
+
 def test_rate_zero_is_attention_without_dropout():
   rng = np.random.default_rng(3)
   seg = jnp.asarray(random_packed(rng, 2, 32, max_docs=3, pad=4)[0])
@@ -112,7 +158,7 @@ def test_the_draw_is_the_same_for_every_block_size():
   results = []
   for block in (16, 32, 64):
     static = fd._Static(scale=0.25, causal=True, rate=0.2, block=block, back=block, interpret=True)
-    attend = lambda q, k, v, static=static: fd._attend(q, k, v, seg, seeds, static)
+    attend = lambda q, k, v, static=static: fd._attend(q, k, v, seg, seg, seeds, static)
     results.append([attend(q, k, v), *jax.grad(lambda *a: jnp.sum(attend(*a) ** 2), argnums=(0, 1, 2))(q, k, v)])
   for other in results[1:]:
     for got, want in zip(other, results[0]):
@@ -134,58 +180,72 @@ t = 32
 q, k, v = (jnp.asarray(rng.normal(size=(4, t, 4, 16)), jnp.float32) for _ in range(3))
 seg = jnp.asarray(np.repeat([[1] * 20 + [2] * 8 + [0] * 4], 4, 0), jnp.int32)
 seed = jnp.uint32(31)
+kv_seg = jnp.asarray(np.repeat([[1] * 10 + [2] * 4 + [0] * 2], 4, 0), jnp.int32)  # a cross attention's keys
 attend = lambda q, k, v, s: fd.dropout_flash_attention(q, k, v, s, causal=True, scale=0.25, rate=0.3, seed=seed)
-loss = lambda q, k, v, s: jnp.sum(attend(q, k, v, s) ** 2)
-want = [attend(q, k, v, seg), *jax.grad(loss, argnums=(0, 1, 2))(q, k, v, seg)]
-with parallel.context(mesh):
-  heads = NamedSharding(mesh, P(parallel.BATCH_AXES, None, "tensor", None))
-  args = [jax.device_put(x, heads) for x in (q, k, v)] + [jax.device_put(seg, parallel.batch_sharding(mesh))]
-  forward = jax.jit(attend)
-  got = [forward(*args), *jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)]
-  hlo = forward.lower(*args).compile().as_text()
-print(json.dumps({"diff": [float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(got, want)],
-                  "gathers": hlo.count("all-gather("), "out_sharding": str(got[0].sharding.spec)}))
+cross = lambda q, k, v, s: fd.dropout_flash_attention(q, k[:, :16], v[:, :16], s, causal=False, scale=0.25, rate=0.3,
+                                                      seed=seed, key_segment_ids=kv_seg)
+diffs, gathers = [], 0
+for fn in (attend, cross):
+  loss = lambda q, k, v, s: jnp.sum(fn(q, k, v, s) ** 2)
+  want = [fn(q, k, v, seg), *jax.grad(loss, argnums=(0, 1, 2))(q, k, v, seg)]
+  with parallel.context(mesh):
+    heads = NamedSharding(mesh, P(parallel.BATCH_AXES, None, "tensor", None))
+    args = [jax.device_put(x, heads) for x in (q, k, v)] + [jax.device_put(seg, parallel.batch_sharding(mesh))]
+    forward = jax.jit(fn)
+    got = [forward(*args), *jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)]
+    gathers += forward.lower(*args).compile().as_text().count("all-gather(")
+  diffs.append([float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(got, want)])
+print(json.dumps({"diff": diffs, "gathers": gathers, "out_sharding": str(got[0].sharding.spec)}))
 """
 
 
 def test_a_mesh_draws_the_one_device_mask(tmp_path):
   """On 8 fake devices (rows over 2x2 data x FSDP, heads over 2 tensor shards) each device draws
-  the keep bits of its global rows and heads: the output equals one device's bitwise (a shard
-  drawing another's bits would be off by whole probabilities), the gradients to float32 rounding
-  (delta = rowsum(dO * O) is summed by XLA in another order on a shard), with no all-gather in the
-  forward pass."""
+  the keep bits of its global rows and heads, in a causal self-attention and in a cross attention
+  (32 queries over 16 keys): the output equals one device's bitwise (a shard drawing another's
+  bits would be off by whole probabilities), the gradients to float32 rounding (delta = rowsum(dO
+  * O) is summed by XLA in another order on a shard), with no all-gather in the forward pass."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, capture_output=True, text=True, timeout=600,
                         cwd=str(tmp_path))
   assert proc.returncode == 0, proc.stderr[-4000:]
   out = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert out["diff"][0] == 0.0 and max(out["diff"]) < 1e-5, out
+  assert all(diff[0] == 0.0 and max(diff) < 1e-5 for diff in out["diff"]), out
   assert out["gathers"] == 0, out
   assert out["out_sharding"] == "P(('data', 'fsdp'), None, 'tensor', None)", out
 
 
-def test_a_model_draws_its_dropout_in_the_kernel(monkeypatch):
-  """A BERT-style encoder with attention dropout and model.attention=pallas (a GPU faked for the
-  choice) runs the kernel at every layer, logged with its reason; its training-mode logits and
-  gradients equal those of the same model whose kernel is replaced by the XLA reference drawing
-  the same keep bits (the step's seed reaches the kernel as it reaches the reference), and those of
-  the model on XLA's attention (no GPU: what 'auto' runs), which draws the same bits since stop 64;
-  and two dropout keys give different logits."""
+@pytest.mark.parametrize("family", ["encoder", "encoder_decoder"])
+def test_a_model_draws_its_dropout_in_the_kernel(monkeypatch, family):
+  """A BERT-style encoder and a BART-style encoder-decoder (its decoder's cross attention over
+  packed rows: 32 decoder tokens over 48 encoder tokens) with attention dropout and
+  model.attention=pallas (a GPU faked for the choice) run the kernel at every self- and cross
+  attention layer, logged with its reason; their training-mode logits and gradients equal those of
+  the same model whose kernel is replaced by the XLA reference drawing the same keep bits (the
+  step's seed reaches the kernel as it reaches the reference), and those of the model on XLA's
+  attention (no GPU: what 'auto' runs), which draws the same bits since stop 64; and two dropout
+  keys give different logits."""
   monkeypatch.setattr(attn, "_on_gpu", lambda: True)
   length, vocab = 32, 97
-  cfg = tiny_config("--config.model.family=encoder", "--config.model.num_layers=2", "--config.model.d_model=32",
+  cfg = tiny_config(f"--config.model.family={family}", "--config.model.num_layers=2", "--config.model.d_model=32",
                     "--config.model.d_ff=64", "--config.model.num_heads=2", "--config.model.attention=pallas",
-                    "--config.model.attention_dropout=0.2")
-  model = build_model(cfg.model, vocab_size=vocab, max_length=length)
-  params = nn.unbox(model.init(jax.random.key(0), **type(model).init_inputs(1, length))["params"])
+                    "--config.model.attention_dropout=0.2", "--config.model.num_decoder_layers=2")
   rng = np.random.default_rng(7)
-  seg, pos = (jnp.asarray(a) for a in random_packed(rng, 2, length, max_docs=3, pad=6))
-  tokens = jnp.asarray(rng.integers(4, vocab, (2, length)), jnp.int32)
+  packed = lambda n: [jnp.asarray(a) for a in random_packed(rng, 2, n, max_docs=3, pad=6)]  # ids, positions
+  tokens = lambda n: jnp.asarray(rng.integers(4, vocab, (2, n)), jnp.int32)
+  seg, pos = packed(length)
+  inputs = (tokens(length), seg, pos)
+  if family == "encoder_decoder":  # the decoder's documents are the encoder's (ids 1.. in both)
+    enc_seg, enc_pos = packed(48)
+    seg = jnp.minimum(seg, jnp.max(enc_seg, axis=1, keepdims=True))
+    inputs = (tokens(48), enc_seg, enc_pos, inputs[0], seg, pos)
+  model = build_model(cfg.model, vocab_size=vocab, max_length=48)
+  params = nn.unbox(model.init(jax.random.key(0), **type(model).init_inputs(1, length))["params"])
   cot = jnp.asarray(rng.normal(size=(2, length, vocab)), jnp.float32) * (seg > 0)[..., None]
 
   def run(key):
     def f(p):
-      out = model.apply({"params": p}, tokens, seg, pos, train=True, rngs={"dropout": key})
+      out = model.apply({"params": p}, *inputs, train=True, rngs={"dropout": key})
       logits = out[0] if isinstance(out, tuple) else out
       return jnp.sum(logits.astype(jnp.float32) * cot), logits
 

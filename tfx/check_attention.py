@@ -140,6 +140,8 @@ def make_cases(*, length: int = 128, heads: int = 4, head_dim: int = 64, batch: 
       case("causal_packed_dropout", ops.SegmentMask(packed, causal=True), dropout=0.1),
       case("bidirectional_padded_dropout", ops.SegmentMask(padded), dropout=0.1),
       case("grouped_query_causal_dropout", ops.SegmentMask(padded, causal=True), kv_heads=h // 2, dropout=0.3),
+      # BART's cross attention: the decoder's documents over the encoder's, by their ids
+      case("cross_dropout", ops.rows_mask(jnp.minimum(padded, 2), source), keys=t // 2, dropout=0.1),
   ]
 
 
@@ -166,9 +168,12 @@ def reference(case: Case) -> list[np.ndarray]:
 
   def fn(q, k, v, bias):
     if case.dropout:
+      cross = isinstance(case.mask, ops.CrossMask)
+      ids = ({"segment_ids": case.mask.q_segment_ids, "causal": False, "key_segment_ids": case.mask.k_segment_ids}
+             if cross else {"segment_ids": case.mask.segment_ids, "causal": case.mask.causal})
       return flash_dropout.reference_attention(
-          *(x.astype(jnp.float32) for x in (q, k, v)), case.mask.segment_ids, causal=case.mask.causal,
-          scale=q.shape[-1] ** -0.5, rate=case.dropout, seed=dropout.seed(jax.random.key(DROPOUT_KEY)))
+          *(x.astype(jnp.float32) for x in (q, k, v)), **ids, scale=q.shape[-1] ** -0.5, rate=case.dropout,
+          seed=dropout.seed(jax.random.key(DROPOUT_KEY)))
     out = ops.reference_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask=mask,
                                   bias=bias)
     return jnp.where(attends, out, 0.0)

@@ -9,6 +9,7 @@ from tfx.ops.attention import (
 )
 from tfx.ops.losses import HeadWeights, TokenTargets, linear_cross_entropy, weighted_cross_entropy
 from tfx.ops.masks import (
+    CrossMask,
     LengthMask,
     SegmentMask,
     SegmentRuns,

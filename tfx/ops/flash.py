@@ -40,19 +40,23 @@ def block_length(t: int, blocks: tuple[int, ...] = BLOCKS) -> int | None:
   return next((b for b in blocks if t % b == 0), None)
 
 
-def unsupported(q: jax.Array, k: jax.Array, mask, bias, *, blocks: tuple[int, ...] = BLOCKS) -> str | None:
+def unsupported(q: jax.Array, k: jax.Array, mask, bias, *, blocks: tuple[int, ...] = BLOCKS,
+                cross: bool = False) -> str | None:
   """Why a segment-id kernel with these block lengths (this module's, or splash's on TPU) cannot
-  compute this attention (a short reason), or None if it can."""
-  from tfx.ops.masks import SegmentMask  # noqa: PLC0415
+  compute this attention (a short reason), or None if it can. With `cross`, the kernel also takes
+  a cross-attention's `CrossMask` (its own query and key ids)."""
+  from tfx.ops.masks import CrossMask, SegmentMask  # noqa: PLC0415
 
-  if not isinstance(mask, SegmentMask):
-    return "it needs the segment-id self-attention mask of a family; this one is a dense mask"
+  if not (isinstance(mask, SegmentMask) or cross and isinstance(mask, CrossMask)):
+    kinds = "self- or cross-attention" if cross else "self-attention"
+    return f"it needs the segment-id {kinds} mask of a family; this one is a dense mask"
   if bias is not None:
     return "it takes no attention bias"
-  if q.shape[1] != k.shape[1]:
+  if isinstance(mask, SegmentMask) and q.shape[1] != k.shape[1]:
     return f"it needs self-attention, got {q.shape[1]} queries over {k.shape[1]} keys"
-  if block_length(q.shape[1], blocks) is None:
-    return f"the row length {q.shape[1]} is not a multiple of {blocks[-1]}"
+  for what, length in (("row", q.shape[1]), ("key row", k.shape[1])):
+    if block_length(length, blocks) is None:
+      return f"the {what} length {length} is not a multiple of {blocks[-1]}"
   if q.shape[2] % k.shape[2]:
     return f"{q.shape[2]} query heads do not group over {k.shape[2]} key/value heads"
   rows, heads = shards()
@@ -169,13 +173,14 @@ def shards() -> tuple[int, int]:
 
 
 def per_device(kernel, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array, *replicated: jax.Array,
-               offsets: bool = False) -> jax.Array:
+               offsets: bool = False, key_ids: jax.Array | None = None) -> jax.Array:
   """`kernel(q, k, v, ids, *replicated)` on each device's shard of the rows and heads
   (`jax.shard_map` over the activations' logical sharding: batch over the data axes, heads over
   `tensor`; `replicated` operands whole on every device) when the current mesh has more than one
   device, else on the whole arrays; padding queries (segment 0) give zeros. With `offsets`, the
   kernel also gets the global index of its first row and first head (int32 scalars; 0 and 0
-  without a mesh), for what it draws from global positions.
+  without a mesh), for what it draws from global positions. With `key_ids` [b, s] (a cross
+  attention's keys' segment ids; `ids` are then the queries'), the kernel gets them after `ids`.
 
   The segment-id kernels let padding queries attend padding keys (both segment 0): their outputs
   are zeroed, as the mask allows them nothing (their zero cotangent also keeps them out of dK and
@@ -187,26 +192,26 @@ def per_device(kernel, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array,
   runs the kernel on its own.
   """
   found = _activation_spec()
+  ids = tuple(x.astype(jnp.int32) for x in (ids, key_ids) if x is not None)  # [b, t] (, [b, s])
 
-  def zeroed(q, k, v, ids, *replicated):  # [b', t, h', d], ids [b', t]
+  def zeroed(q, k, v, *ids_and_replicated):  # [b', t, h', d], ids [b', t]
     extra = ()
     if offsets:
       extra = (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
       if found is not None:
         extra = tuple(_shard_index(found[1][dim]) * q.shape[dim] for dim in (0, 2))
-    out = kernel(q, k, v, ids, *replicated, *extra)  # [b', t, h', d]
-    return jnp.where((ids > 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
+    out = kernel(q, k, v, *ids_and_replicated, *extra)  # [b', t, h', d]
+    return jnp.where((ids_and_replicated[0] > 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
 
-  ids = ids.astype(jnp.int32)
   if found is None:
-    return zeroed(q, k, v, ids, *replicated)
+    return zeroed(q, k, v, *ids, *replicated)
   from jax.sharding import PartitionSpec  # noqa: PLC0415
 
   _, spec = found  # [b, t, h, d]
-  rows = PartitionSpec(*spec[:2])  # [b, t]
+  rows = (PartitionSpec(*spec[:2]),) * len(ids)  # [b, t] (, [b, s])
   whole = (PartitionSpec(),) * len(replicated)
-  return jax.shard_map(zeroed, in_specs=(spec, spec, spec, rows, *whole), out_specs=spec,
-                       check_vma=False)(q, k, v, ids, *replicated)
+  return jax.shard_map(zeroed, in_specs=(spec, spec, spec, *rows, *whole), out_specs=spec,
+                       check_vma=False)(q, k, v, *ids, *replicated)
 
 
 def _shard_index(axes) -> jax.Array:

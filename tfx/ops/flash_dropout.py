@@ -8,14 +8,16 @@ constant: the same mask every step), so those configs ran XLA's attention, which
 for an H100 at 32 rows: 113.3 GB a step against 43.3 with dropout off). These kernels draw the
 keep mask inside the kernel from a counter hash and never write it, nor any [b, h, t, s] array.
 
-What they compute (the same as `tfx.nn.attention._reference_with_dropout` over a `SegmentMask`,
-the same dropped scores): p = softmax(q k^T * scale) over the keys a query may attend (its own
-segment; at or before it when causal), out = (p * keep / P(keep)) v. The keep bit of score (row,
-head, query, key) is `tfx.ops.dropout.keep_bits` of [b, h, t, s]: a hash of the
-step's seed, the *global* row and head (a shard adds its offsets) and the query and key
-positions, so that every mesh, block size and kernel draws the same mask, the backward kernels
-draw it again bit for bit, and XLA's attention with dropout draws it too (since stop 64; before,
-XLA's path drew threefry bits): turning the kernel on changes no dropped score.
+What they compute (the same as `tfx.nn.attention._reference_with_dropout` over a `SegmentMask`
+or a cross attention's `CrossMask`, the same dropped scores): p = softmax(q k^T * scale) over the
+keys a query may attend (its own segment; at or before it when causal; for a cross attention, the
+keys of its own segment, s of them where there are t queries), out = (p * keep / P(keep)) v, and 0
+for a query with no key to attend. The keep bit of score (row, head, query, key) is
+`tfx.ops.dropout.keep_bits` of [b, h, t, s]: a hash of the step's seed, the *global* row and head
+(a shard adds its offsets) and the query and key positions, so that every mesh, block size and
+kernel draws the same mask, the backward kernels draw it again bit for bit, and XLA's attention
+with dropout draws it too (since stop 64; before, XLA's path drew threefry bits): turning the
+kernel on changes no dropped score.
 
 Kernels (each program one (block, row, head)): the forward pass keeps an online softmax over
 key blocks and returns the output and each query's log-sum-exp; the backward pass runs one
@@ -23,10 +25,15 @@ kernel over key blocks (dK, dV, looping over the queries) and one over query blo
 looping over the keys), recomputing the probabilities from the log-sum-exp, with
 delta = rowsum(dO * O) (which dropout leaves valid: rowsum(dP * P) over the dropped matrix is
 rowsum(dO * (P_dropped V))). Off a GPU they run in Pallas' interpreter (slow, exact): the tests.
+
+Since stop 65 they also take BART's cross attention (decoder queries over the encoder's keys, each
+side's segment ids), which had kept XLA's attention: BART-base's own step compiled for an H100 at 32
+rows moves 72.8 GB instead of 91.2 and needs 9.32 instead of 12.07 GiB.
 """
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +43,7 @@ from jax.experimental import pallas as pl
 
 from tfx.ops import dropout, flash, target
 from tfx.ops.dropout import keep_probability
+from tfx.ops.masks import CrossMask, SegmentMask
 
 # Large finite negative for masked scores (as `tfx.ops.attention.MASK_VALUE`: a block whose keys
 # are all masked gives weights that the next block's correction then zeroes).
@@ -43,23 +51,24 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool,
-                        scale: float, rate: float, seed: jax.Array) -> jax.Array:
+                        scale: float, rate: float, seed: jax.Array,
+                        key_segment_ids: jax.Array | None = None) -> jax.Array:
   """What `dropout_flash_attention` computes, as einsums in XLA with [b, h, t, s] arrays: the
-  softmax in float32 over the segment mask, the scores `tfx.ops.dropout.keep_bits` keeps kept and
-  scaled by 1 / P(keep), padding queries zero ([b, t, h, d] in v's dtype; the tests' and
-  `tfx.check_attention`'s reference)."""
-  from tfx.ops.masks import SegmentMask  # noqa: PLC0415
-
+  softmax in float32 over the segment mask (`key_segment_ids`: a cross attention's), the scores
+  `tfx.ops.dropout.keep_bits` keeps kept and scaled by 1 / P(keep), queries with no key to attend
+  (padding) zero ([b, t, h, d] in v's dtype; the tests' and `tfx.check_attention`'s reference)."""
   b, t, h, _ = q.shape
+  s = k.shape[1]
   if k.shape[2] != h:
-    k, v = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))  # [b, t, h, d]
+    k, v = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))  # [b, s, h, d]
+  mask = (SegmentMask(segment_ids, causal) if key_segment_ids is None else
+          CrossMask(segment_ids, key_segment_ids)).dense()  # [b, 1, t, s]
   scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) * scale  # [b, h, t, s]
-  scores = jnp.where(SegmentMask(segment_ids, causal).dense(), scores, MASK_VALUE)
-  probs = jax.nn.softmax(scores, axis=-1)
-  keep = dropout.keep_bits(seed, (b, h, t, t), rate)
+  probs = jax.nn.softmax(jnp.where(mask, scores, MASK_VALUE), axis=-1)
+  keep = dropout.keep_bits(seed, (b, h, t, s), rate)
   probs = jnp.where(keep, probs / keep_probability(rate), 0.0).astype(v.dtype)
   out = jnp.einsum("bhts,bshd->bthd", probs, v)
-  return jnp.where((segment_ids > 0)[:, :, None, None], out, 0.0)
+  return jnp.where(jnp.any(mask, axis=-1)[:, 0, :, None, None], out, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,38 +115,42 @@ def _dot(a, b, *, transpose_a=False, transpose_b=False):
   return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _forward_kernel(seeds_ref, q_ref, k_ref, v_ref, ids_ref, o_ref, lse_ref, *, static: _Static):
-  block, t = static.block, k_ref.shape[0]
+def _forward_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, o_ref, lse_ref, *, static: _Static):
+  block, s = static.block, k_ref.shape[0]
   key = _program_stream(seeds_ref)
   q0 = pl.program_id(0) * block
   q = q_ref[...]  # [bq, d]
-  q_ids = ids_ref[pl.ds(q0, block)]  # [bq]
+  q_ids = q_ids_ref[pl.ds(q0, block)]  # [bq]
 
   def body(j, carry):
     acc, m, l = carry  # [bq, d], [bq], [bq]
     k0 = j * block
     k = k_ref[pl.ds(k0, block), :]  # [bk, d]
-    s, query, key_pos = _scores(q, k, q_ids, ids_ref[pl.ds(k0, block)], q0, k0, static)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    scores, query, key_pos = _scores(q, k, q_ids, k_ids_ref[pl.ds(k0, block)], q0, k0, static)
+    m_new = jnp.maximum(m, jnp.max(scores, axis=1))
     correction = jnp.exp(m - m_new)  # [bq]
-    w = jnp.exp(s - m_new[:, None])  # [bq, bk] unnormalised probabilities
+    w = jnp.exp(scores - m_new[:, None])  # [bq, bk] unnormalised probabilities
     l = correction * l + jnp.sum(w, axis=1)
-    w = jnp.where(dropout.kept(key, query, key_pos, t, static.threshold), w, 0.0)
+    w = jnp.where(dropout.kept(key, query, key_pos, s, static.threshold), w, 0.0)
     v = v_ref[pl.ds(k0, block), :]  # [bk, d]
     acc = correction[:, None] * acc + _dot(w.astype(v.dtype), v)
     return acc, m_new, l
 
-  blocks = (q0 + block) // block if static.causal else t // block
+  blocks = (q0 + block) // block if static.causal else s // block
   init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block,), -jnp.inf, jnp.float32), jnp.zeros((block,), jnp.float32))
   acc, m, l = lax.fori_loop(0, blocks, body, init)
-  o_ref[...] = (acc * (static.keep_scale / l)[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = m + jnp.log(l)
+  # A query with no key to attend (a cross attention's document without keys) saw only masked
+  # scores: its output is 0 and its log-sum-exp +inf, so that the backward kernels give it p = 0.
+  attends = m > 0.5 * MASK_VALUE  # [bq]
+  o_ref[...] = jnp.where(attends[:, None], acc * (static.keep_scale / l)[:, None], 0.0).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(attends, m + jnp.log(l), jnp.inf)
 
 
-def _recomputed(key, q, k, q_ids, k_ids, lse, q0, k0, t, static: _Static):
-  """(probabilities p [bq, bk], keep bits) of one block pair, from the forward pass' log-sum-exp."""
-  s, query, key_pos = _scores(q, k, q_ids, k_ids, q0, k0, static)
-  return jnp.exp(s - lse[:, None]), dropout.kept(key, query, key_pos, t, static.threshold)
+def _recomputed(key, q, k, q_ids, k_ids, lse, q0, k0, keys: int, static: _Static):
+  """(probabilities p [bq, bk], keep bits) of one block pair, from the forward pass' log-sum-exp;
+  `keys`: the row's key count (the keep bits count query * keys + key)."""
+  scores, query, key_pos = _scores(q, k, q_ids, k_ids, q0, k0, static)
+  return jnp.exp(scores - lse[:, None]), dropout.kept(key, query, key_pos, keys, static.threshold)
 
 
 def _grad_scores(p, kept, do, v, delta, static: _Static):
@@ -147,19 +160,20 @@ def _grad_scores(p, kept, do, v, delta, static: _Static):
   return dropped, p * (dp - delta[:, None])
 
 
-def _dkv_kernel(seeds_ref, q_ref, k_ref, v_ref, ids_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
+def _dkv_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
                 static: _Static):
-  block, t = static.back, q_ref.shape[0]  # self-attention: as many keys as queries
+  block, t, s = static.back, q_ref.shape[0], k_ids_ref.shape[0]
   key = _program_stream(seeds_ref)
   k0 = pl.program_id(0) * block
   k, v = k_ref[...], v_ref[...]  # [bk, d] each
-  k_ids = ids_ref[pl.ds(k0, block)]
+  k_ids = k_ids_ref[pl.ds(k0, block)]
 
   def body(i, carry):
     dk, dv = carry  # [bk, d] f32 each
     q0 = i * block
     q, do = q_ref[pl.ds(q0, block), :], do_ref[pl.ds(q0, block), :]  # [bq, d] each
-    p, kept = _recomputed(key, q, k, ids_ref[pl.ds(q0, block)], k_ids, lse_ref[pl.ds(q0, block)], q0, k0, t, static)
+    p, kept = _recomputed(key, q, k, q_ids_ref[pl.ds(q0, block)], k_ids, lse_ref[pl.ds(q0, block)], q0, k0, s,
+                          static)
     dropped, ds = _grad_scores(p, kept, do, v, delta_ref[pl.ds(q0, block)], static)
     dv = dv + _dot(dropped.astype(do.dtype), do, transpose_a=True)
     dk = dk + _dot(ds.astype(q.dtype), q, transpose_a=True)
@@ -172,38 +186,40 @@ def _dkv_kernel(seeds_ref, q_ref, k_ref, v_ref, ids_ref, do_ref, lse_ref, delta_
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(seeds_ref, q_ref, k_ref, v_ref, ids_ref, do_ref, lse_ref, delta_ref, dq_ref, *, static: _Static):
-  block, t = static.back, k_ref.shape[0]
+def _dq_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
+               static: _Static):
+  block, s = static.back, k_ref.shape[0]
   key = _program_stream(seeds_ref)
   q0 = pl.program_id(0) * block
   q, do = q_ref[...], do_ref[...]  # [bq, d] each
-  q_ids, lse, delta = ids_ref[pl.ds(q0, block)], lse_ref[...], delta_ref[...]
+  q_ids, lse, delta = q_ids_ref[pl.ds(q0, block)], lse_ref[...], delta_ref[...]
 
   def body(j, dq):
     k0 = j * block
     k, v = k_ref[pl.ds(k0, block), :], v_ref[pl.ds(k0, block), :]  # [bk, d] each
-    p, kept = _recomputed(key, q, k, q_ids, ids_ref[pl.ds(k0, block)], lse, q0, k0, t, static)
+    p, kept = _recomputed(key, q, k, q_ids, k_ids_ref[pl.ds(k0, block)], lse, q0, k0, s, static)
     _, ds = _grad_scores(p, kept, do, v, delta, static)
     return dq + _dot(ds.astype(k.dtype), k)
 
-  blocks = (q0 + block) // block if static.causal else t // block
+  blocks = (q0 + block) // block if static.causal else s // block
   dq = lax.fori_loop(0, blocks, body, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (dq * static.scale).astype(dq_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
 def _call(kernel, static: _Static, block: int, out_shape: tuple, blocked: tuple[bool, ...], seeds, *operands):
-  """pallas_call of `kernel` over (t // block, b, h). Each of the outputs, then of the operands,
-  is either `blocked` (program i gets positions i * block..) or whole along t, per (row, head):
-  [b, t, h, d] activations, [b, t] segment ids, [b, h, t] softmax statistics.
+  """pallas_call of `kernel` over (n // block, b, h), n the length of its first output (queries
+  or keys). Each of the outputs, then of the operands, is either `blocked` (program i gets
+  positions i * block..) or whole along its length (t queries or s keys), per (row, head):
+  [b, t|s, h, d] activations, [b, t|s] segment ids, [b, h, t] softmax statistics.
 
   Under jit, as a call JAX can drop: a bare pallas_call survives dead-code elimination, and under
   a remat policy that keeps the forward kernel's named outputs the forward kernel then ran twice
   (BERT-base's step for an H100: four Triton kernels a layer where three do)."""
-  b, t, h, d = operands[0].shape
+  b, _, h, d = operands[0].shape
 
   def spec(shape: tuple[int, ...], blocked: bool) -> pl.BlockSpec:
-    length = block if blocked else t
+    length = block if blocked else shape[2 if len(shape) == 3 else 1]
     if len(shape) == 4:  # [b, t, h, d]
       return pl.BlockSpec((None, length, None, d), lambda i, j, k: (j, i if blocked else 0, k, 0))
     if len(shape) == 3:  # [b, h, t]
@@ -217,39 +233,39 @@ def _call(kernel, static: _Static, block: int, out_shape: tuple, blocked: tuple[
   from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415  (compiler parameters only)
 
   return pl.pallas_call(
-      functools.partial(kernel, static=static), grid=(t // block, b, h), in_specs=in_specs, out_specs=out_specs,
+      functools.partial(kernel, static=static), grid=(out_shape[0].shape[1] // block, b, h), in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, interpret=static.interpret, name=f"tfx_{kernel.__name__.strip('_')}",
       compiler_params=plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2),
   )(seeds, *operands)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attend(q, k, v, ids, seeds, static: _Static):
-  return _attend_fwd(q, k, v, ids, seeds, static)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attend(q, k, v, q_ids, k_ids, seeds, static: _Static):
+  return _attend_fwd(q, k, v, q_ids, k_ids, seeds, static)[0]
 
 
-def _attend_fwd(q, k, v, ids, seeds, static: _Static):
+def _attend_fwd(q, k, v, q_ids, k_ids, seeds, static: _Static):
   b, t, h, _ = q.shape
   stats = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
-  # blocked: outputs (o, lse), then inputs (q, k, v, ids)
+  # blocked: outputs (o, lse), then inputs (q, k, v, q_ids, k_ids)
   out, lse = _call(_forward_kernel, static, static.block, (jax.ShapeDtypeStruct(q.shape, q.dtype), stats),
-                   (True, True, True, False, False, False), seeds, q, k, v, ids)  # [b, t, h, d], [b, h, t]
+                   (True, True, True, False, False, False, False), seeds, q, k, v, q_ids, k_ids)  # [b, t, h, d], [b, h, t]
   out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_out")
-  return out, (q, k, v, ids, seeds, out, lse)
+  return out, (q, k, v, q_ids, k_ids, seeds, out, lse)
 
 
 def _attend_bwd(static: _Static, residuals, d_out):
-  q, k, v, ids, seeds, out, lse = residuals
+  q, k, v, q_ids, k_ids, seeds, out, lse = residuals
   delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))  # [b, h, t]
   d_out = d_out.astype(q.dtype)
-  operands = (q, k, v, ids, d_out, lse, delta)
+  operands = (q, k, v, q_ids, k_ids, d_out, lse, delta)
   like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
   # dK, dV: blocked over keys; every query read. dQ: blocked over queries; every key read.
   d_k, d_v = _call(_dkv_kernel, static, static.back, (like(k), like(v)),
-                   (True, True, False, True, True, False, False, False, False), seeds, *operands)
+                   (True, True, False, True, True, False, False, False, False, False), seeds, *operands)
   (d_q,) = _call(_dq_kernel, static, static.back, (like(q),),
-                 (True, True, False, False, False, True, True, True), seeds, *operands)
-  return d_q, d_k, d_v, None, None
+                 (True, True, False, False, False, False, True, True, True), seeds, *operands)
+  return d_q, d_k, d_v, None, None, None
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -257,7 +273,7 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 def unsupported(q: jax.Array, k: jax.Array, mask, bias) -> str | None:
   """Why these kernels cannot compute this attention (a short reason), or None if they can."""
-  refused = flash.unsupported(q, k, mask, bias)
+  refused = flash.unsupported(q, k, mask, bias, cross=True)
   if refused is not None:
     return refused
   d = q.shape[-1]
@@ -267,42 +283,54 @@ def unsupported(q: jax.Array, k: jax.Array, mask, bias) -> str | None:
 
 
 def dropout_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool,
-                            scale: float, rate: float, seed: jax.Array, interpret: bool | None = None) -> jax.Array:
+                            scale: float, rate: float, seed: jax.Array, key_segment_ids: jax.Array | None = None,
+                            interpret: bool | None = None) -> jax.Array:
   """Attention of each token over its own segment (and, when `causal`, at or before it) with
-  dropout at `rate` on the probabilities; padding (segment 0) queries give zeros.
+  dropout at `rate` on the probabilities; padding (segment 0) queries give zeros. With
+  `key_segment_ids`, a cross attention: each query over the keys of its own segment.
 
   Args:
-    q: [b, t, h, d]; k, v: [b, t, k, d] (k divides h: grouped-query heads are repeated).
-    segment_ids: [b, t] int, 0 = padding.
-    causal: whether key j > query i is masked.
+    q: [b, t, h, d]; k, v: [b, s, k, d] (k divides h: grouped-query heads are repeated; s = t
+      for a self-attention).
+    segment_ids: [b, t] int, 0 = padding: the queries' (and the keys' of a self-attention).
+    causal: whether key j > query i is masked (a self-attention's).
     scale: the score scale.
     rate: the dropout rate, in [0, 1).
     seed: uint32 scalar, this call's (a fresh one per step and layer: `tfx.ops.dropout.seed`).
+    key_segment_ids: [b, s] int, 0 = padding: a cross attention's keys' (the queries attend the
+      keys of their own segment, and a query whose segment has none gives zeros).
     interpret: run Pallas' interpreter; default: off a GPU.
 
   Returns:
-    [b, t, h, d] in q's dtype: `tfx.ops.dropout.keep_bits(seed, ...)` applied to the
-    probabilities, kept ones scaled by 1 / P(keep).
+    [b, t, h, d] in q's dtype: `tfx.ops.dropout.keep_bits(seed, ...)` of [b, h, t, s] applied to
+    the probabilities, kept ones scaled by 1 / P(keep).
   """
   if not 0.0 <= rate < 1.0:
     raise ValueError(f"attention dropout must be in [0, 1), got {rate}")
+  if key_segment_ids is not None and causal:
+    raise ValueError("a cross attention (key_segment_ids) is not causal")
   b, t, h, d = q.shape
-  block = flash.block_length(t)
+  s = k.shape[1]
+  block = flash.block_length(math.gcd(t, s))  # divides both lengths
   if block is None:
-    raise ValueError(f"flash attention needs a row length that is a multiple of {flash.BLOCKS[-1]}, got {t}")
+    raise ValueError(f"flash attention needs query and key lengths that are multiples of {flash.BLOCKS[-1]}, "
+                     f"got {t} and {s}")
+  if key_segment_ids is None and s != t:
+    raise ValueError(f"a self-attention needs as many keys as queries, got {t} queries over {s} keys")
   if k.shape[2] != h:  # grouped-query heads: each key/value head serves h // k query heads
-    k = jnp.repeat(k, h // k.shape[2], axis=2)  # [b, t, h, d]
-    v = jnp.repeat(v, h // v.shape[2], axis=2)  # [b, t, h, d]
+    k = jnp.repeat(k, h // k.shape[2], axis=2)  # [b, s, h, d]
+    v = jnp.repeat(v, h // v.shape[2], axis=2)  # [b, s, h, d]
   static = _Static(scale=float(scale), causal=causal, rate=float(rate), block=block,
                    back=min(block, flash.BACKWARD_BLOCK),
                    interpret=target.backend() != "gpu" if interpret is None else interpret)
   seed = lax.convert_element_type(seed, jnp.int32)  # the bits travel as int32 (the kernels' scalar operands)
 
-  def kernel(q, k, v, ids, seed, first_row, first_head):  # one device's rows and heads: [b', t, h', d], ids [b', t]
+  def kernel(q, k, v, q_ids, k_ids, seed, first_row, first_head):  # one device's rows and heads: [b', t, h', d]
     seeds = jnp.stack([seed, first_row, first_head, jnp.zeros((), jnp.int32)])  # [4] int32
-    return _attend(q, k, v, ids, seeds, static)  # [b', t, h', d]
+    return _attend(q, k, v, q_ids, k_ids, seeds, static)  # [b', t, h', d]
 
-  return flash.per_device(kernel, q, k, v, segment_ids, seed, offsets=True)
+  key_ids = segment_ids if key_segment_ids is None else key_segment_ids
+  return flash.per_device(kernel, q, k, v, segment_ids, seed, offsets=True, key_ids=key_ids)
 
 
 def fused_dropout_attention(q, k, v, mask, bias, scale: float, rate: float, rng: jax.Array,
@@ -316,8 +344,11 @@ def fused_dropout_attention(q, k, v, mask, bias, scale: float, rate: float, rng:
   impl, why = attention.choose_implementation(implementation, q.dtype, q.shape[-1])
   refused = unsupported(q, k, mask, bias) if impl == "pallas" else None
   if impl == "pallas" and refused is None:
-    out = dropout_flash_attention(q, k, v, mask.segment_ids, causal=mask.causal, scale=scale, rate=rate,
-                                  seed=dropout.seed(rng))
+    if isinstance(mask, CrossMask):
+      ids = {"segment_ids": mask.q_segment_ids, "causal": False, "key_segment_ids": mask.k_segment_ids}
+    else:
+      ids = {"segment_ids": mask.segment_ids, "causal": mask.causal}
+    out = dropout_flash_attention(q, k, v, **ids, scale=scale, rate=rate, seed=dropout.seed(rng))
     why = f"{why}; dropout {rate} drawn in the kernel"
   else:
     out = None

@@ -139,6 +139,32 @@ class SegmentMask:
     return dataclasses.replace(self, array=self.dense())
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["q_segment_ids", "k_segment_ids", "array"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class CrossMask:
+  """A cross-attention's mask given by the queries' segment ids [b, t] and the keys' [b, s]
+  instead of [b, 1, t, s]: query i may attend key j when both are in the same document and neither
+  is padding (segment 0); `dense()` is `segment_mask(q_segment_ids, k_segment_ids)`.
+
+  The Pallas dropout kernel (`tfx.ops.flash_dropout`: an encoder-decoder's cross attention with
+  attention dropout, BART's) reads the ids; every other path attends with `dense()`, which is
+  `array` when it was built beforehand (once per step, for all the decoder's layers: `rows_mask`).
+  A pytree, as `SegmentMask`."""
+
+  q_segment_ids: jax.Array  # [b, t] int
+  k_segment_ids: jax.Array  # [b, s] int
+  array: jax.Array | None = None  # [b, 1, t, s] bool, dense() built beforehand
+
+  def dense(self) -> jax.Array:
+    """[b, 1, t, s] bool."""
+    return self.array if self.array is not None else segment_mask(self.q_segment_ids, self.k_segment_ids)
+
+  def prebuilt(self) -> "CrossMask":
+    """The same mask with its array built now, once for all the layers that read it."""
+    return dataclasses.replace(self, array=self.dense())
+
+
 def runs_per_row(segment_ids) -> np.ndarray:
   """[b] int: the runs of one id in each row of host segment ids [b, t] (numpy), what
   `segment_runs` lays out: to size `model.packed_runs` from the data."""
@@ -223,26 +249,28 @@ def rows_mask(q_segment_ids: jax.Array, k_segment_ids: jax.Array | None = None, 
 
   With `lengths` the rows must hold one segment each, real tokens first (ids positive on a row's
   first tokens, 0 after), and the mask is their `LengthMask` (what cuDNN reads); otherwise the
-  [b, 1, t, s] array, built here once for every layer (`segment_mask`); a self-attention's as a
-  prebuilt `SegmentMask`, whose flag cuDNN reads and whose ids the Pallas kernels read."""
+  [b, 1, t, s] array, built here once for every layer (`segment_mask`): a self-attention's as a
+  prebuilt `SegmentMask`, whose flag cuDNN reads and whose ids the Pallas kernels read, a
+  cross-attention's as a prebuilt `CrossMask`, whose ids the Pallas dropout kernel reads."""
   if not lengths:
     if k_segment_ids is None:
       return SegmentMask(q_segment_ids, causal=causal).prebuilt()
-    mask = segment_mask(q_segment_ids, k_segment_ids)  # [b, 1, t, s]
-    return mask & causal_mask(q_segment_ids.shape[1], k_segment_ids.shape[1]) if causal else mask
+    if not causal:
+      return CrossMask(q_segment_ids, k_segment_ids).prebuilt()
+    return segment_mask(q_segment_ids, k_segment_ids) & causal_mask(q_segment_ids.shape[1], k_segment_ids.shape[1])
   k_segment_ids = q_segment_ids if k_segment_ids is None else k_segment_ids
   count = lambda ids: jnp.sum(ids > 0, axis=1, dtype=jnp.int32)  # [b]
   return LengthMask(count(q_segment_ids), count(k_segment_ids), (q_segment_ids.shape[1], k_segment_ids.shape[1]),
                     causal)
 
 
-def dense_mask(mask: "jax.Array | SegmentMask | LengthMask | None") -> jax.Array | None:
-  """[b, 1|h, t, s] bool, or None: a `SegmentMask` or `LengthMask` as its array, any other mask
-  unchanged."""
-  return mask.dense() if isinstance(mask, (SegmentMask, LengthMask)) else mask
+def dense_mask(mask: "jax.Array | SegmentMask | CrossMask | LengthMask | None") -> jax.Array | None:
+  """[b, 1|h, t, s] bool, or None: a `SegmentMask`, `CrossMask` or `LengthMask` as its array, any
+  other mask unchanged."""
+  return mask.dense() if isinstance(mask, (SegmentMask, CrossMask, LengthMask)) else mask
 
 
-def mask_rows(mask: "jax.Array | SegmentMask | LengthMask | None", rows: jax.Array) -> jax.Array | None:
+def mask_rows(mask: "jax.Array | SegmentMask | CrossMask | LengthMask | None", rows: jax.Array) -> jax.Array | None:
   """Query rows `rows` [b, n] int of a mask over [b, t] queries: [b, 1|h, n, s] bool (None: None).
   A `SegmentMask` without its array is rebuilt from the rows' ids, not gathered from [b, 1, t, t]."""
   if mask is None:
