@@ -568,6 +568,42 @@ def test_gated_mlp_fused_off_a_cpu_is_the_same_function(use_bias, mlp, remat):
                  results[platform], results["cpu"])
 
 
+def test_a_dropping_mlp_stores_its_pre_activation_gradient_on_a_gpu_only():
+  """An MLP that drops its hidden layer (BART's, XLNet's), traced for a GPU, writes the gradient at
+  its pre-activation out before the bias's sum reads it (`tfx.ops.dropout.stored_gradient`: one
+  optimization barrier in the gradient's program, none in the forward pass, none without dropout
+  or for a CPU), and it is the same function: the CPU's output and gradients under the same
+  dropout key."""
+  import dataclasses
+
+  from tfx.nn.layers import Mlp
+  from tfx.ops import target
+
+  cfg = dataclasses.replace(make_model("--config.model.mlp=gelu_exact", shapes_only=True)[0].cfg, dropout=0.3)
+  rng = np.random.default_rng(2)
+  x = jnp.asarray(rng.normal(size=(2, 8, cfg.d_model)), jnp.float32)
+  cotangent = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+  params = nn.meta.unbox(Mlp(cfg).init(jax.random.key(0), x))["params"]
+  params = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
+  results, barriers = {}, {}
+  for platform in ("cpu", "gpu"):
+    for deterministic in (False, True):
+      mlp = Mlp(cfg, deterministic=deterministic)
+      loss = lambda x, p, mlp=mlp: jnp.sum(mlp.apply({"params": p}, x, rngs={"dropout": jax.random.key(5)}) * cotangent)
+      with target.lowering_for(platform):
+        grads = jax.value_and_grad(loss, argnums=(0, 1))
+        barriers[platform, deterministic] = (str(jax.make_jaxpr(loss)(x, params)).count("optimization_barrier"),
+                                             str(jax.make_jaxpr(grads)(x, params)).count("optimization_barrier"))
+        if not deterministic:
+          results[platform] = jax.jit(grads)(x, params)
+  # dropping adds the dropout's own backward (its bits redrawn behind a barrier) and on a GPU the
+  # stored gradient; the forward pass has none either way (XLA:CPU's weight gradients have their own)
+  added = {p: tuple(a - b for a, b in zip(barriers[p, False], barriers[p, True])) for p in ("cpu", "gpu")}
+  assert added == {"cpu": (0, 1), "gpu": (0, 2)} and barriers["gpu", True] == (0, 0), barriers
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(b).max()))),
+               results["gpu"], results["cpu"])
+
+
 FUSED_LOSS_CASES = {
     "gpt2_tied": ("configs/tiny.py", ()),
     "decoder_untied_bf16": ("configs/tiny.py", ("--config.model.tie_embeddings=false", "--config.model.dtype=bfloat16")),

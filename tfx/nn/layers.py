@@ -411,7 +411,10 @@ class Mlp(nn.Module):
         gate, up = (projection(x) for projection in projections)
         h = act(gate) * up
     else:
-      h = act(dense(cfg.d_ff, ("embed", "mlp"), "wi_0")(x))  # [b, t, f]
+      pre = dense(cfg.d_ff, ("embed", "mlp"), "wi_0")(x)  # [b, t, f]
+      if cfg.hidden_dropout > 0 and not self.deterministic and target.stored_hidden_gradient():
+        pre = dropout.stored_gradient(pre)
+      h = act(pre)
     h = constrain(h, ("act_batch", "act_length", "act_mlp"))
     h = Dropout(cfg.hidden_dropout)(h, deterministic=self.deterministic)
     return dense(cfg.d_model, ("mlp", "embed"), "wo")(h)  # [b, t, e]
