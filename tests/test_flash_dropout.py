@@ -215,9 +215,10 @@ def test_a_mesh_draws_the_one_device_mask(tmp_path):
   assert out["out_sharding"] == "P(('data', 'fsdp'), None, 'tensor', None)", out
 
 
-@pytest.mark.parametrize("family", ["encoder", "encoder_decoder"])
+@pytest.mark.parametrize("family", ["encoder", "encoder_rows", "encoder_decoder"])
 def test_a_model_draws_its_dropout_in_the_kernel(monkeypatch, family):
-  """A BERT-style encoder and a BART-style encoder-decoder (its decoder's cross attention over
+  """A BERT-style encoder (also with masked LM's rows: the last layer's queries are 16 selected
+  tokens over all 32 keys) and a BART-style encoder-decoder (its decoder's cross attention over
   packed rows: 32 decoder tokens over 48 encoder tokens) with attention dropout and
   model.attention=pallas (a GPU faked for the choice) run the kernel at every self- and cross
   attention layer, logged with its reason; their training-mode logits and gradients equal those of
@@ -227,7 +228,8 @@ def test_a_model_draws_its_dropout_in_the_kernel(monkeypatch, family):
   keys give different logits."""
   monkeypatch.setattr(attn, "_on_gpu", lambda: True)
   length, vocab = 32, 97
-  cfg = tiny_config(f"--config.model.family={family}", "--config.model.num_layers=2", "--config.model.d_model=32",
+  kwargs = {}
+  cfg = tiny_config(f"--config.model.family={family.removesuffix('_rows')}", "--config.model.num_layers=2", "--config.model.d_model=32",
                     "--config.model.d_ff=64", "--config.model.num_heads=2", "--config.model.attention=pallas",
                     "--config.model.attention_dropout=0.2", "--config.model.num_decoder_layers=2")
   rng = np.random.default_rng(7)
@@ -239,13 +241,16 @@ def test_a_model_draws_its_dropout_in_the_kernel(monkeypatch, family):
     enc_seg, enc_pos = packed(48)
     seg = jnp.minimum(seg, jnp.max(enc_seg, axis=1, keepdims=True))
     inputs = (tokens(48), enc_seg, enc_pos, inputs[0], seg, pos)
+  if family == "encoder_rows":  # 16 of the 32 positions, in no order
+    kwargs["rows"] = jnp.asarray(np.stack([rng.permutation(length)[:16] for _ in range(2)]), jnp.int32)
+    seg = jnp.take_along_axis(seg, kwargs["rows"], axis=1)
   model = build_model(cfg.model, vocab_size=vocab, max_length=48)
   params = nn.unbox(model.init(jax.random.key(0), **type(model).init_inputs(1, length))["params"])
-  cot = jnp.asarray(rng.normal(size=(2, length, vocab)), jnp.float32) * (seg > 0)[..., None]
+  cot = jnp.asarray(rng.normal(size=(*seg.shape, vocab)), jnp.float32) * (seg > 0)[..., None]
 
   def run(key):
     def f(p):
-      out = model.apply({"params": p}, *inputs, train=True, rngs={"dropout": key})
+      out = model.apply({"params": p}, *inputs, train=True, rngs={"dropout": key}, **kwargs)
       logits = out[0] if isinstance(out, tuple) else out
       return jnp.sum(logits.astype(jnp.float32) * cot), logits
 

@@ -171,8 +171,9 @@ def test_encoder_decoder_with_lengths_equals_packed_masks(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_mask_rows_are_the_dense_masks_rows_in_every_form(causal):
   """`mask_rows` of a `SegmentMask` with its array, without it (the segment-id kernels' form,
-  rebuilt from the rows' ids) and of the dense array: row i of the [b, 1, n, t] result is row
-  rows[:, i] of the [b, 1, t, t] mask, padding, repeats and causality included."""
+  rebuilt from the rows' ids; bidirectional, the `CrossMask` of the rows' ids over the keys') and
+  of the dense array: row i of the [b, 1, n, t] result is row rows[:, i] of the [b, 1, t, t] mask,
+  padding, repeats and causality included."""
   rng = np.random.default_rng(3)
   b, t, n = 4, 24, 7
   ids = np.sort(rng.integers(0, 4, (b, t)), axis=1)[:, ::-1].copy()  # packed documents, then padding (0)
@@ -182,7 +183,9 @@ def test_mask_rows_are_the_dense_masks_rows_in_every_form(causal):
   dense = np.asarray(mask.dense())  # [b, 1, t, t]
   want = np.take_along_axis(dense, np.asarray(rows)[:, None, :, None], axis=2)
   for form in (mask, mask.prebuilt(), mask.dense()):
-    got = np.asarray(ops.mask_rows(form, rows))
+    got = ops.mask_rows(form, rows)
+    assert isinstance(got, ops.CrossMask) == (not causal and isinstance(form, ops.SegmentMask))
+    got = np.asarray(ops.dense_mask(got))
     assert got.shape == (b, 1, n, t)
     np.testing.assert_array_equal(got, want)
   pad = ids[:, -1] == 0  # rows whose last position is padding: their first gathered row attends nothing

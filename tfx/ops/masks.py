@@ -270,15 +270,20 @@ def dense_mask(mask: "jax.Array | SegmentMask | CrossMask | LengthMask | None") 
   return mask.dense() if isinstance(mask, (SegmentMask, CrossMask, LengthMask)) else mask
 
 
-def mask_rows(mask: "jax.Array | SegmentMask | CrossMask | LengthMask | None", rows: jax.Array) -> jax.Array | None:
+def mask_rows(mask: "jax.Array | SegmentMask | CrossMask | LengthMask | None", rows: jax.Array
+              ) -> "jax.Array | CrossMask | None":
   """Query rows `rows` [b, n] int of a mask over [b, t] queries: [b, 1|h, n, s] bool (None: None).
-  A `SegmentMask` without its array is rebuilt from the rows' ids, not gathered from [b, 1, t, t]."""
+  A bidirectional `SegmentMask` gives the `CrossMask` of the rows' ids over the keys' (its
+  `dense()` is those rows; the Pallas dropout kernel reads the ids: masked LM's last layer, whose
+  queries are the selected tokens alone); a causal one is rebuilt from the rows' ids (without its
+  array) or gathered from [b, 1, t, t]."""
   if mask is None:
     return None
-  if isinstance(mask, SegmentMask) and mask.array is None:
+  if isinstance(mask, SegmentMask):
     ids = mask.segment_ids  # [b, t]
-    out = segment_mask(jnp.take_along_axis(ids, rows, axis=1), ids)  # [b, 1, n, t]
-    if mask.causal:
-      out = out & (jnp.arange(ids.shape[1])[None, None, None, :] <= rows[:, None, :, None])
-    return out
+    if not mask.causal:
+      return CrossMask(jnp.take_along_axis(ids, rows, axis=1), ids)
+    if mask.array is None:
+      out = segment_mask(jnp.take_along_axis(ids, rows, axis=1), ids)  # [b, 1, n, t]
+      return out & (jnp.arange(ids.shape[1])[None, None, None, :] <= rows[:, None, :, None])
   return jnp.take_along_axis(dense_mask(mask), rows[:, None, :, None], axis=2)
