@@ -106,9 +106,10 @@ def test_session_runs_every_step_and_writes_its_results(tmp_path):
     assert all(m["documents"] == docs for r in packed["runs"] for m in r["models"])
   chunks = json.loads((out / "loss_chunk.json").read_text())
   assert [r["overrides"] for r in chunks["runs"]] == [["model.loss_chunk=256"]]
-  dropout = json.loads((out / "dropout.json").read_text())  # BERT-base's own config, auto then pallas
-  assert [(r["sweep_value"], r["objective"]) for r in dropout] == [("auto", "masked_lm"), ("pallas", "masked_lm")]
-  assert all(r["step_s"] > 0 and "model.attention_dropout=0.1" in r["attention"] for r in dropout)
+  for name, objective in (("dropout", "masked_lm"), ("dropout_bart", "text_infilling")):  # own configs, auto then pallas
+    dropout = json.loads((out / f"{name}.json").read_text())
+    assert [(r["sweep_value"], r["objective"]) for r in dropout] == [("auto", objective), ("pallas", objective)]
+    assert all(r["step_s"] > 0 and "model.attention_dropout=0.1" in r["attention"] for r in dropout)
   tuned = json.loads((out / "finetune.json").read_text())
   assert tuned["objective"] == "finetune (2 classes, pooling first)" and tuned["batch_size"] == 2
   assert tuned["row_length"] == 64 and tuned["step_s"] > 0

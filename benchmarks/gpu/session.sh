@@ -43,9 +43,10 @@
 #   profile      three steps of each suite model traced (OUT/profile/<model>) and their   300 s
 #                kernels summed by kind (python -m tfx.bench_profile); each HLO kernel's time
 #                joined with its bytes (ms, GB, TB/s: profile.json's profile.bytes)
-#   dropout      BERT-base's own config (attention dropout 0.1, layers scanned; bf16, 32   200 s
-#                rows) with model.attention=auto (XLA's attention with dropout) and pallas
-#                (tfx's Pallas kernels drawing the dropout): OUT/dropout.json
+#   dropout      BERT-base's and BART-base's own configs (attention dropout 0.1, layers   320 s
+#                unrolled on a GPU; bf16, 32 rows) with model.attention=auto (XLA's attention
+#                with dropout) and pallas (tfx's Pallas kernels drawing the dropout; BART's
+#                cross attention too since stop 65): OUT/dropout.json, OUT/dropout_bart.json
 #   finetune     BERT-base's fine-tuning step (tfx.finetune's: a two-class classifier      90 s
 #                pooling [CLS], whose last layer runs at [CLS] alone; 32 rows of 128, bf16,
 #                no dropout): python -m tfx.bench --finetune, its MFU (OUT/finetune.json)
@@ -132,7 +133,8 @@ if [ -n "${TFX_GPU_TINY:-}" ]; then
             --config.model.d_model=64 --config.model.num_heads=2 --config.model.d_ff=128 --config.data.vocab_size=1024
             --steps 2 --warmup 1)
   dropout=(--config.train.batch_size=2 --config.data.seq_len=64 --config.model.num_layers=2 --config.model.d_model=64
-           --config.model.num_heads=2 --config.model.d_ff=128 --config.data.vocab_size=1024 --steps 2 --warmup 1)
+           --config.model.num_heads=2 --config.model.d_ff=128 --config.data.vocab_size=1024 --steps 2 --warmup 1
+           --config.model.num_decoder_layers=1)
 fi
 
 run() {  # run NAME LIMIT_SECONDS COMMAND...
@@ -186,8 +188,10 @@ print(\"ml_collections from\", ml_collections.__file__)'
                    i=$((i + 1)); echo "== XLA_FLAGS=${XLA_FLAGS:-} $flag"
                    XLA_FLAGS="${XLA_FLAGS:-} $flag" "$@" --json "$0/xla_flags_$i.json" || exit
                  done' "$out" "${bench[@]}" --only gpt2_small --skip-depth ;;
-    dropout) run dropout 200 "$py" -m tfx.bench --config configs/bert_base.py --sweep model.attention=auto,pallas \
-               --config.model.dtype=bfloat16 "${dropout[@]}" --json "$out/dropout.json" ;;
+    dropout) run dropout 320 bash -c 'for pair in bert_base:dropout bart_base:dropout_bart; do
+                 "$0" -m tfx.bench --config "configs/${pair%%:*}.py" --sweep model.attention=auto,pallas \
+                   --config.model.dtype=bfloat16 "${@:2}" --json "$1/${pair#*:}.json" || exit
+               done' "$py" "$out" "${dropout[@]}" ;;
     finetune) run finetune 90 "$py" -m tfx.bench --config configs/bert_base.py --finetune 2 \
                 --config.model.dtype=bfloat16 --config.model.dropout=0.0 --config.model.attention_dropout=0.0 \
                 "${finetune[@]}" --json "$out/finetune.json" ;;
