@@ -150,19 +150,28 @@ def test_keep_bits_are_fair_and_independent(rate):
 def test_the_draw_is_the_same_for_every_block_size():
   """The forward and backward kernels at 16-, 32- and 64-token blocks give the same output and
   gradients (bitwise for the output of blocks that see the same keys in the same order: compared
-  to float32 rounding here), as the keep bits come from global positions, not from blocks."""
+  to float32 rounding here), as the keep bits come from global positions, not from blocks; so do
+  a cross attention's (64 queries over 32 keys) with query and key blocks of different lengths."""
   rng = np.random.default_rng(11)
   seg = jnp.asarray(random_packed(rng, 2, 64, max_docs=3, pad=6)[0])
+  kv_seg = jnp.asarray(random_packed(rng, 2, 32, max_docs=3, pad=4)[0])
   q, k, v = _qkv(rng, 2, 64, 2, 2)
   seeds = jnp.asarray([99, 0, 0, 0], jnp.int32)
-  results = []
-  for block in (16, 32, 64):
-    static = fd._Static(scale=0.25, causal=True, rate=0.2, block=block, back=block, interpret=True)
-    attend = lambda q, k, v, static=static: fd._attend(q, k, v, seg, seg, seeds, static)
-    results.append([attend(q, k, v), *jax.grad(lambda *a: jnp.sum(attend(*a) ** 2), argnums=(0, 1, 2))(q, k, v)])
-  for other in results[1:]:
-    for got, want in zip(other, results[0]):
-      np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+  cases = {  # (causal, key ids, key length): (block_q, block_k, back_q, back_k) each
+      "causal": (True, seg, 64, [(16, 16, 16, 16), (32, 32, 32, 32), (64, 64, 64, 64)]),
+      "cross": (False, kv_seg, 32, [(16, 16, 16, 16), (64, 32, 32, 16), (32, 16, 16, 32)]),
+  }
+  for causal, k_ids, s, blocks in cases.values():
+    results = []
+    for block_q, block_k, back_q, back_k in blocks:
+      static = fd._Static(scale=0.25, causal=causal, rate=0.2, block_q=block_q, block_k=block_k, back_q=back_q,
+                          back_k=back_k, interpret=True)
+      attend = lambda q, k, v, static=static, k_ids=k_ids: fd._attend(q, k, v, seg, k_ids, seeds, static)
+      kv = (k[:, :s], v[:, :s])
+      results.append([attend(q, *kv), *jax.grad(lambda *a: jnp.sum(attend(*a) ** 2), argnums=(0, 1, 2))(q, *kv)])
+    for other in results[1:]:
+      for got, want in zip(other, results[0]):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
 _SHARDED_SCRIPT = r"""
