@@ -408,6 +408,12 @@ def test_tiny_suite_compiles_for_a_tpu_slice_on_a_cpu(tmp_path):
   assert bad.returncode != 0
   assert "--topology v5e:" in bad.stderr and "GENERATION:SHAPE" in bad.stderr
 
+  # An objective with a frozen teacher (distillation) lowers with the teacher's shapes alone: nothing
+  # is loaded onto devices that are not this machine's
+  distil = run_with_libtpu("--config", os.path.join(ROOT, "configs", "distilbert_tiny.py"),
+                           "--config.objective.teacher=init", "--lower", "tpu", "--topology", "v5e:2x2")
+  assert distil.returncode == 0 and "compiled for 4 x TPU v5 lite" in distil.stdout, distil.stdout + distil.stderr[-3000:]
+
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir(os.path.join(TPU_LIBS, "libtpu")),

@@ -3,6 +3,7 @@
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -142,3 +143,34 @@ def test_distils_a_trained_run_resumes_exactly_and_never_saves_the_teacher(tmp_p
   from_hf = Distillation(ids=exp.objective.ids, teacher=f"hf:{hf_dir}").load_frozen(exp.model, exp.mesh)
   np.testing.assert_allclose(np.asarray(from_hf["token_embed"]["embedding"]),
                              np.asarray(exp.frozen["token_embed"]["embedding"]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_soft_cross_entropy_is_the_log_softmax_form_with_a_one_pass_gradient(platform):
+  """`ops.soft_cross_entropy` equals -sum softmax(t / T) log_softmax(s / T) and its autodiff
+  gradient (float32; traced for a CPU and for a GPU, whose log-sum-exp is one reduction), sends
+  the teacher no gradient, and with bf16 logits keeps only the logits and two [b, t] statistics
+  for its backward pass (no float32 [b, t, v] array), its gradient within bf16 rounding."""
+  from jax._src.ad_checkpoint import saved_residuals
+
+  from tfx import ops
+  from tfx.ops import target
+
+  rng = np.random.default_rng(4)
+  s, t = (jnp.asarray(rng.normal(size=(2, 5, 33)) * 3, jnp.float32) for _ in range(2))
+  g = jnp.asarray(rng.normal(size=(2, 5)), jnp.float32)
+  formula = lambda s, t: -jnp.sum(jax.nn.softmax(t / 2.0, axis=-1) * jax.nn.log_softmax(s / 2.0, axis=-1), axis=-1)
+  with target.lowering_for(platform):
+    op = jax.jit(lambda s, t: ops.soft_cross_entropy(s, t, 2.0))
+    np.testing.assert_allclose(op(s, t), formula(s, t), rtol=1e-6, atol=1e-6)
+    grads = jax.jit(jax.grad(lambda s, t: jnp.sum(ops.soft_cross_entropy(s, t, 2.0) * g), argnums=(0, 1)))(s, t)
+    want = jax.grad(lambda s: jnp.sum(formula(s, t) * g))(s)
+    np.testing.assert_allclose(grads[0], want, rtol=1e-5, atol=1e-7)
+    assert not np.any(np.asarray(grads[1]))
+    sb, tb = s.astype(jnp.bfloat16), t.astype(jnp.bfloat16)
+    saved = saved_residuals(lambda s: ops.soft_cross_entropy(s, tb, 2.0), sb)
+    assert sorted(str(aval) for aval, _ in saved) == ["bfloat16[2,5,33]"] * 2 + ["float32[2,5]"] * 2, saved
+    got = jax.grad(lambda s: jnp.sum(ops.soft_cross_entropy(s, tb, 2.0) * g))(sb)
+    assert got.dtype == jnp.bfloat16
+    wanted = jax.grad(lambda s: jnp.sum(formula(s, tb.astype(jnp.float32)) * g))(sb.astype(jnp.float32))
+    np.testing.assert_allclose(np.asarray(got, np.float32), wanted, rtol=1e-2, atol=1e-2 * float(np.abs(wanted).max()))

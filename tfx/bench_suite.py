@@ -143,6 +143,8 @@ def _abstract_step(config, devices=None):
   from tfx.train import make_train_step, state_shardings
 
   exp = bench.build_experiment(config, devices)
+  if getattr(exp.objective, "frozen_inputs", False) and exp.frozen is None:  # a teacher: its shapes only
+    exp.frozen = exp.objective.abstract_frozen(exp.model, exp.mesh)
   seq_len, batch_size = config.data.seq_len, config.train.batch_size
   abstract, shardings = state_shardings(exp.model, exp.tx, exp.mesh, seq_len, exp.objective, batch_size)
   rows = jax.ShapeDtypeStruct((batch_size, exp.objective.raw_length(seq_len)), np.int32,

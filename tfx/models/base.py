@@ -140,8 +140,10 @@ class Family(nn.Module):
       k_positions = jnp.arange(k_positions.shape[1], dtype=jnp.int32)[None, :]  # [1, s]
     return RelativePositionBias(self.cfg, bidirectional, name=name)(q_positions, k_positions)
 
-  def lm_head(self, embed: Embed, x: jax.Array, *, bias: bool = False, loss: ops.TokenTargets | None = None):
-    """[b, t, e] -> [b, t, v] logits (float32), tied to `embed` or a separate projection.
+  def lm_head(self, embed: Embed, x: jax.Array, *, bias: bool = False, loss: ops.TokenTargets | None = None,
+              float32_logits: bool = True):
+    """[b, t, e] -> [b, t, v] logits (float32; in the compute dtype without `float32_logits`, for a
+    loss that reads them in float32 itself), tied to `embed` or a separate projection.
 
     With `loss` (the targets, weights and z-loss of a token loss) and `model.loss_chunk` > 0, the
     projection is fused with the loss (`ops.linear_cross_entropy`) and (loss, metrics) is returned
@@ -168,7 +170,7 @@ class Family(nn.Module):
       logits = add_bias(logits, output_bias)  # its gradient summed in float32
     logits = nn.with_logical_constraint(logits, ("act_batch", "act_length", "act_vocab"))
     if loss is None:
-      return logits.astype(jnp.float32)
+      return logits.astype(jnp.float32) if float32_logits else logits
     # In the compute dtype: the loss reads them in float32 itself, and bf16 logits get its
     # one-pass gradient, without a float32 copy of [b, t, v] (`ops.log_z_and_target`).
     return ops.weighted_cross_entropy(logits, loss.targets, loss.weights, z_loss=loss.z_loss)

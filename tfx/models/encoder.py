@@ -71,12 +71,13 @@ class Encoder(Family):
     return self.cfg.position != "relative"  # a relative-position bias keeps the last layer whole (`_hidden`)
 
   def __call__(self, tokens, segment_ids, positions, *, token_types=None, train: bool = False, mask=None,
-               return_hidden: bool = False, return_embeddings: bool = False, rows=None):
+               return_hidden: bool = False, return_embeddings: bool = False, rows=None, float32_logits: bool = True):
     if mask is None:
       mask = ops.self_attention_mask(segment_ids, causal=False, implementation=self.cfg.attention,
                                      packed_runs=self.cfg.packed_runs)  # ids (+ [b, 1, t, t])
     return self._encode(tokens, positions, mask, segment_ids, token_types=token_types, train=train,
-                        return_hidden=return_hidden, return_embeddings=return_embeddings, rows=rows)
+                        return_hidden=return_hidden, return_embeddings=return_embeddings, rows=rows,
+                        float32_logits=float32_logits)
 
   def mlm_head(self, hidden, loss: ops.TokenTargets | None = None):
     """The MLM head alone on final hidden states (`return_hidden=True`'s output): [b, n, e] ->
@@ -121,10 +122,11 @@ class Encoder(Family):
   @nn.compact
   def _encode(self, tokens, positions, mask, segment_ids, *, token_types, train: bool, return_hidden: bool = False,
               return_embeddings: bool = False, query: QueryStream | None = None, slot_types=None,
-              head_input=None, rows=None, loss: ops.TokenTargets | None = None):
+              head_input=None, rows=None, loss: ops.TokenTargets | None = None, float32_logits: bool = True):
     """One stream (query None): [b, t] -> logits [b, t, v] or hidden [b, t, e]. Two streams:
     the query stream's logits [b, n, v]. mask: [b, 1|h, t, t] bool for the content stream.
-    head_input [b, n, e]: skip the embeddings and the stack, only the MLM head on it."""
+    head_input [b, n, e]: skip the embeddings and the stack, only the MLM head on it.
+    float32_logits=False: the logits in the compute dtype (`Family.lm_head`)."""
     cfg = self.cfg
     embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=cfg.compute_dtype, name="token_embed")
     mask_emb = self.param("mask_emb", nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), ("embed",)),
@@ -141,7 +143,7 @@ class Encoder(Family):
     h = DenseGeneral((cfg.d_model,), (cfg.d_model,), ("embed", "mlp"), use_bias=True, init_std=cfg.init_std,
                      dtype=cfg.compute_dtype, name="head_dense")(x)
     h = make_norm(cfg, "head_norm")(act(h))
-    return self.lm_head(embed, h, bias=True, loss=loss)
+    return self.lm_head(embed, h, bias=True, loss=loss, float32_logits=float32_logits)
 
   def _hidden(self, embed, mask_emb, tokens, positions, mask, segment_ids, *, token_types, train: bool,
               return_embeddings: bool, query: QueryStream | None, slot_types, rows=None):

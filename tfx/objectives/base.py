@@ -209,6 +209,12 @@ class Objective:
     """With `frozen_inputs`: the frozen arrays `loss` reads (`frozen=`), placed on `mesh`."""
     return None
 
+  def abstract_frozen(self, model, mesh) -> Any:
+    """With `frozen_inputs`: what `load_frozen` returns as `jax.ShapeDtypeStruct`s with their
+    shardings, without loading anything (a step lowered and compiled but not run: `tfx.bench
+    --lower`, whose devices may not be this machine's)."""
+    return None
+
   def row_stride(self, seq_len: int) -> int:
     """With contiguous_rows: tokens between the starts of consecutive rows of a stream (0 = no overlap)."""
     return 0

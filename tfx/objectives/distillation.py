@@ -42,15 +42,31 @@ from tfx.objectives.options import internal
 from tfx.registry import OBJECTIVES
 
 
-def sharded_init(model, mesh, seed: int, seq_len: int):
-  """`model`'s parameters at initialisation from `seed`, created sharded on `mesh`."""
+def _init_and_shardings(model, mesh, seq_len: int):
+  """(init: rng -> boxed parameters, their shardings on `mesh`) of `model`."""
   inputs = type(model).init_inputs(1, seq_len)
   init = lambda rng: model.init({"params": rng, "dropout": rng}, **inputs)["params"]
+  key = jax.random.key(0)  # made outside the mesh's context: its devices may be a compile-only topology's
   with parallel.context(mesh):
-    abstract = jax.eval_shape(init, jax.random.key(seed))
-  shardings = parallel.logical_to_sharding(abstract, mesh)
+    abstract = jax.eval_shape(init, key)
+  return init, parallel.logical_to_sharding(abstract, mesh)
+
+
+def sharded_init(model, mesh, seed: int, seq_len: int):
+  """`model`'s parameters at initialisation from `seed`, created sharded on `mesh`."""
+  init, shardings = _init_and_shardings(model, mesh, seq_len)
   with parallel.context(mesh):
     return jax.jit(lambda rng: nn.unbox(init(rng)), out_shardings=shardings)(jax.random.key(seed))
+
+
+def abstract_params(model, mesh, seq_len: int):
+  """`model`'s parameters as `jax.ShapeDtypeStruct`s with their shardings on `mesh`: nothing
+  initialised, loaded or placed."""
+  init, shardings = _init_and_shardings(model, mesh, seq_len)
+  key = jax.random.key(0)
+  with parallel.context(mesh):
+    abstract = jax.eval_shape(lambda rng: nn.unbox(init(rng)), key)
+  return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
 
 
 @functools.lru_cache(maxsize=8)
@@ -126,8 +142,13 @@ class Distillation(MaskedLM):
                         f"or hf:DIR of an HF save_pretrained directory")
     return problems
 
-  def load_frozen(self, model, mesh):
-    """The teacher's parameters on `mesh` (checked against the student: vocabulary, width, family)."""
+  def abstract_frozen(self, model, mesh):
+    """The teacher's parameters' shapes and shardings on `mesh`, read from its config alone (the
+    checks of `load_frozen`)."""
+    return abstract_params(self._checked_teacher(model), mesh, model.cfg.max_length)
+
+  def _checked_teacher(self, model):
+    """The teacher's module, checked against the student: vocabulary, width, family."""
     teacher = teacher_model(self.teacher, model)
     s, t = model.cfg, teacher.cfg
     if t.family != "encoder":
@@ -138,12 +159,14 @@ class Distillation(MaskedLM):
     if t.max_length < s.max_length and t.position == "learned":
       raise UserError(f"objective.teacher={self.teacher!r} has {t.max_length} positions, fewer than the student's "
                       f"data.seq_len={s.max_length}; lower data.seq_len")
+    return teacher
+
+  def load_frozen(self, model, mesh):
+    """The teacher's parameters on `mesh` (checked against the student: vocabulary, width, family)."""
+    teacher, s = self._checked_teacher(model), model.cfg
     if self.teacher == "init":
       return sharded_init(model, mesh, self.teacher_seed, s.max_length)
-    with parallel.context(mesh):
-      abstract = jax.eval_shape(lambda r: teacher.init({"params": r}, **type(teacher).init_inputs(1, 8))["params"],
-                                jax.random.key(0))
-    shardings = parallel.logical_to_sharding(abstract, mesh)
+    _, shardings = _init_and_shardings(teacher, mesh, 8)
     if self.teacher.startswith("hf:"):
       _, params = _hf_teacher(self.teacher[3:])
       return jax.tree.map(lambda a, sh: jax.device_put(np.asarray(a, np.float32), sh), params, shardings)
@@ -157,11 +180,14 @@ class Distillation(MaskedLM):
     mask_rng, dropout_rng = jax.random.split(rng)
     inputs, targets, weights, kept = self.mask(batch, mask_rng, return_kept=True)  # [b, t] each
     segment_ids, positions = batch["segment_ids"], batch["positions"]
+    # The logits in the compute dtype: the losses read them in float32 themselves (bf16 ones get
+    # one-pass gradients: `ops.soft_cross_entropy`, `ops.weighted_cross_entropy`).
     student_logits, student_hidden = logits_and_hidden(model, params, inputs, segment_ids, positions, train=train,
-                                                       rngs={"dropout": dropout_rng})  # [b, t, v], [b, t, e]
+                                                       rngs={"dropout": dropout_rng},
+                                                       float32_logits=False)  # [b, t, v], [b, t, e]
     teacher = teacher_model(self.teacher, model)
     teacher_logits, teacher_hidden = jax.lax.stop_gradient(
-        logits_and_hidden(teacher, frozen, inputs, segment_ids, positions, train=False))
+        logits_and_hidden(teacher, frozen, inputs, segment_ids, positions, train=False, float32_logits=False))
     return (inputs, targets, weights, kept), (student_logits, student_hidden), (teacher_logits, teacher_hidden)
 
   def loss(self, model, params, batch, rng, *, train, frozen):
@@ -169,8 +195,7 @@ class Distillation(MaskedLM):
     real = (batch["segment_ids"] > 0).astype(jnp.float32)  # [b, t]
     n = jnp.maximum(jnp.sum(real), 1.0)
     temp = self.temperature
-    soft_ce = -jnp.sum(jax.nn.softmax(t / temp, axis=-1) * jax.nn.log_softmax(s / temp, axis=-1), axis=-1)  # [b, t]
-    soft = temp**2 * jnp.sum(soft_ce * real) / n
+    soft = temp**2 * jnp.sum(ops.soft_cross_entropy(s, t, temp) * real) / n
     mlm_loss, mlm = ops.weighted_cross_entropy(s, targets, weights, z_loss=self.z_loss)
     hs, ht = hs.astype(jnp.float32), ht.astype(jnp.float32)
     cos = jnp.sum(hs * ht, -1) / jnp.maximum(jnp.linalg.norm(hs, axis=-1) * jnp.linalg.norm(ht, axis=-1), 1e-8)

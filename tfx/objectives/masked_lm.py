@@ -76,14 +76,15 @@ def word_ids(tokens: jax.Array, segment_ids: jax.Array, eligible: jax.Array, wor
   return jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1
 
 
-def logits_and_hidden(model, params, tokens, segment_ids, positions, *, train: bool, rngs=None, token_types=None
-                      ) -> tuple[jax.Array, jax.Array]:
-  """An encoder's MLM logits [b, t, v] and final hidden states [b, t, e] from one forward: the
-  hidden states are captured on the way (the stack's output, or the final norm's when pre-LN)."""
+def logits_and_hidden(model, params, tokens, segment_ids, positions, *, train: bool, rngs=None, token_types=None,
+                      float32_logits: bool = True) -> tuple[jax.Array, jax.Array]:
+  """An encoder's MLM logits [b, t, v] (float32, or without `float32_logits` in the compute
+  dtype) and final hidden states [b, t, e] from one forward: the hidden states are captured on the
+  way (the stack's output, or the final norm's when pre-LN)."""
   last = "final_norm" if model.cfg.norm == "pre" else "encoder"
   logits, captured = model.apply(
       {"params": params}, tokens, segment_ids, positions, token_types=token_types, train=train, rngs=rngs or {},
-      capture_intermediates=lambda m, _: m.name == last, mutable=["intermediates"])
+      capture_intermediates=lambda m, _: m.name == last, mutable=["intermediates"], float32_logits=float32_logits)
   return logits, captured["intermediates"][last]["__call__"][0]
 
 

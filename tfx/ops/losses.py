@@ -109,6 +109,46 @@ _narrow_log_z_and_target.defvjp(_narrow_fwd, lambda one_pass, residuals, cotange
                                 _log_z_and_target_bwd(residuals, cotangents))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def soft_cross_entropy(logits: jax.Array, teacher_logits: jax.Array, temperature: float) -> jax.Array:
+  """-sum_v softmax(teacher / T)_v log softmax(logits / T)_v of each row, float32 [b, t]
+  (DistilBERT's soft targets); logits, teacher_logits: [b, t, v] in any float dtype, read in
+  float32. The teacher's logits get no gradient.
+
+  Written as log Z_s - sum_v p_t(v) s_v / T with p_t = softmax(t / T), and the logits' gradient by
+  hand, g / T (softmax(s / T) - p_t), in one elementwise pass in the logits' dtype: autodiff of the
+  log-softmax form keeps float32 [b, t, v] softmaxes for the backward pass and sums two products
+  (DistilBERT-base's step for an H100: see docs/performance/6-dropout-and-layout.md)."""
+  return _soft_fwd(logits, teacher_logits, temperature)[0]
+
+
+def _soft_stats(x: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
+  """(x / T in float32 [b, t, v], its row log-sum-exp [b, t]: one pass over x where
+  `target.one_pass_reductions()`)."""
+  x = x.astype(jnp.float32) / temperature
+  if not target.one_pass_reductions():
+    return x, jax.nn.logsumexp(x, axis=-1)
+  top, total = _max_and_total(x)
+  return x, top + jnp.log(total)
+
+
+def _soft_fwd(logits, teacher_logits, temperature):
+  s, lse_s = _soft_stats(logits, temperature)
+  t, lse_t = _soft_stats(jax.lax.stop_gradient(teacher_logits), temperature)
+  ce = lse_s - jnp.sum(jnp.exp(t - lse_t[..., None]) * s, axis=-1)  # [b, t]
+  return ce, (logits, teacher_logits, lse_s, lse_t)
+
+
+def _soft_bwd(temperature, residuals, g):
+  logits, teacher_logits, lse_s, lse_t = residuals
+  s, t = (x.astype(jnp.float32) / temperature for x in (logits, teacher_logits))
+  d = (g / temperature)[..., None] * (jnp.exp(s - lse_s[..., None]) - jnp.exp(t - lse_t[..., None]))
+  return d.astype(logits.dtype), None
+
+
+soft_cross_entropy.defvjp(_soft_fwd, _soft_bwd)
+
+
 def weighted_cross_entropy(
     logits: jax.Array, targets: jax.Array, weights: jax.Array, *, z_loss: float = 0.0
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
