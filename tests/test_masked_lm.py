@@ -367,3 +367,25 @@ def test_the_gathered_heads_loss_keeps_bf16_logits():
   ours, reference = compare_with_float32_logits_loss(
       lambda p: objective.loss(model, p, batch, rng, train=False), float32_logits_loss, params)
   assert reference == ours + 1  # the targets' logits' gradient
+
+
+def test_the_head_everywhere_loss_keeps_bf16_logits():
+  """Without `gather_predictions` the head runs at every position and the loss reads its logits in
+  the compute dtype: in bf16 the loss and metrics of the float32 logits the model returns by
+  default, the gradients within bf16's rounding, and no scatter of the targets' gradient into a
+  float32 [b, t, v] buffer."""
+  t = 48
+  model, params = real_encoder(t, "--config.model.dtype=bfloat16")
+  tokens, seg, pos = random_batch(np.random.default_rng(17), 4, t)
+  batch = {"tokens": jnp.asarray(tokens), "segment_ids": jnp.asarray(seg), "positions": jnp.asarray(pos)}
+  objective = MaskedLM(IDS, mask_rate=0.3, gather_predictions=False)
+  rng = jax.random.key(18)
+
+  def float32_logits_loss(p):
+    logits, targets, weights, _ = objective._forward(model, p, batch, rng, train=False)
+    assert logits.dtype == jnp.float32
+    return ops.weighted_cross_entropy(logits, targets, weights)
+
+  ours, reference = compare_with_float32_logits_loss(
+      lambda p: objective.loss(model, p, batch, rng, train=False), float32_logits_loss, params)
+  assert reference == ours + 1  # the targets' logits' gradient

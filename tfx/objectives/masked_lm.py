@@ -283,14 +283,15 @@ class MaskedLM(Objective):
         mask_token_rate=self.mask_token_rate, random_token_rate=self.random_token_rate, word_start=word_start,
         max_selected=self.prediction_slots(batch["tokens"].shape[1]), return_kept=return_kept)
 
-  def _forward(self, model, params, batch, rng, *, train, hidden: bool = False):
-    """(logits [b, t, v], or the final hidden states [b, t, e] with `hidden`; targets, weights,
-    kept [b, t])."""
+  def _forward(self, model, params, batch, rng, *, train, hidden: bool = False, float32_logits: bool = True):
+    """(logits [b, t, v] (float32, or without `float32_logits` in the compute dtype), or the final
+    hidden states [b, t, e] with `hidden`; targets, weights, kept [b, t])."""
     mask_rng, dropout_rng = jax.random.split(rng)
     inputs, targets, weights, kept = self.mask(batch, mask_rng, return_kept=True)  # [b, t] each
     out = model.apply(
         {"params": params}, inputs, batch["segment_ids"], batch["positions"],
-        train=train, rngs={"dropout": dropout_rng}, **({"return_hidden": True} if hidden else {}))
+        train=train, rngs={"dropout": dropout_rng}, **({"return_hidden": True} if hidden else {}),
+        **({} if float32_logits else {"float32_logits": False}))
     return out, targets, weights, kept
 
   def head_positions(self, seq_len: int) -> int:
@@ -336,7 +337,9 @@ class MaskedLM(Objective):
     slots = self.gather_slots(model, batch["tokens"].shape[1])
     if slots is not None:
       return self.rows_loss(model, params, batch, rng, slots, train=train)
-    out, targets, weights, _ = self._forward(model, params, batch, rng, train=train)
+    # the head at every position: its logits in the compute dtype (the loss reads them in float32,
+    # and bf16 ones get its one-pass gradient)
+    out, targets, weights, _ = self._forward(model, params, batch, rng, train=train, float32_logits=False)
     return self.mlm_loss(model, params, out, targets, weights, None)
 
   def rows_loss(self, model, params, batch, rng, slots: int, *, train):
