@@ -118,7 +118,8 @@ def soft_cross_entropy(logits: jax.Array, teacher_logits: jax.Array, temperature
   Written as log Z_s - sum_v p_t(v) s_v / T with p_t = softmax(t / T), and the logits' gradient by
   hand, g / T (softmax(s / T) - p_t), in one elementwise pass in the logits' dtype: autodiff of the
   log-softmax form keeps float32 [b, t, v] softmaxes for the backward pass and sums two products
-  (DistilBERT-base's step for an H100: see docs/performance/6-dropout-and-layout.md)."""
+  (DistilBERT-base's own step compiled for an H100 at 32 rows: 55.4 -> 43.4 GB, 7.41 -> 5.60 GiB;
+  docs/performance/4-compile-only.md)."""
   return _soft_fwd(logits, teacher_logits, temperature)[0]
 
 
