@@ -301,3 +301,27 @@ def test_an_update_of_a_stack_seen_through_a_bitcast_is_in_place():
   (kernel,) = bench_traffic.kernels(STACK_VIEW)
   update = 8 * 4 * 64 * 4
   assert kernel == bench_traffic.Kernel("updated", "in-place update", 1, 4 + update, update)
+
+
+def test_a_pallas_call_reads_a_stacked_operand_once_and_not_the_buffer_it_updates():
+  """A Pallas (Triton) call handed one array three times (tfx's kernels read a stacked projection's
+  slots) reads it once, and the operand its output aliases (a buffer it writes part of in place)
+  not at all; another custom call naming an operand twice (a matmul x . x^T) reads it twice."""
+  hlo = """HloModule m, entry_computation_layout={()->()}
+
+ENTRY %main (qkv: bf16[4,16,2,3,8], ids: s32[4,16], buf: bf16[4,16,2,3,8]) -> bf16[4,16,2,3,8] {
+  %qkv = bf16[4,16,2,3,8]{4,3,2,1,0} parameter(0)
+  %ids = s32[4,16]{1,0} parameter(1)
+  %buf = bf16[4,16,2,3,8]{4,3,2,1,0} parameter(2)
+  %fwd = bf16[4,16,2,8]{3,2,1,0} custom-call(%qkv, %qkv, %qkv, %ids), custom_call_target="__gpu$xla.gpu.triton"
+  %dq = bf16[4,16,2,3,8]{4,3,2,1,0} custom-call(%qkv, %qkv, %qkv, %ids, %buf), custom_call_target="__gpu$xla.gpu.triton", output_to_operand_aliasing={{}: (4, {})}
+  %x = bf16[64,8]{1,0} parameter(3)
+  %gemm = bf16[64,64]{1,0} custom-call(%x, %x), custom_call_target="__cublas$gemm"
+  ROOT %out = bf16[4,16,2,3,8]{4,3,2,1,0} copy(%dq)
+}
+"""
+  kernels = {k.name: k for k in bench_traffic.kernels(hlo)}
+  stacked, ids = 4 * 16 * 2 * 3 * 8 * 2, 4 * 16 * 4
+  assert (kernels["fwd"].read, kernels["fwd"].written) == (stacked + ids, stacked // 3)
+  assert (kernels["dq"].read, kernels["dq"].written) == (stacked + ids, stacked)
+  assert kernels["gemm"].read == 2 * 64 * 8 * 2

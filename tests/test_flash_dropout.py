@@ -119,6 +119,34 @@ def test_cross_attention_kernel_is_xla_attention_dropping_the_same_scores():
   assert np.any(np.asarray(d_v)[0, :10])
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_stacked_projection_is_read_and_written_in_place(causal):
+  """A self-attention's fused projection [b, t, h, 3, d] (slots k, v, q) handed to the kernels
+  whole, with or without its bias [h, 3, d] (added by the kernels as they read): the output and
+  the gradients of the projection and the bias are those of q, k and v passed apart after the
+  bias's add (the kernels read the same blocks and write the same gradients, into one array: the
+  dQ kernel into the dK / dV kernel's output, aliased; the bias's gradient summed in float32)."""
+  rng = np.random.default_rng(21)
+  seg = jnp.asarray(random_packed(rng, 2, 48, max_docs=3, pad=7)[0])
+  y = jnp.asarray(rng.normal(size=(2, 48, 2, 3, 16)), jnp.float32)
+  bias = jnp.asarray(rng.normal(size=(2, 3, 16)), jnp.float32)
+  cot = jnp.asarray(rng.normal(size=(2, 48, 2, 16)), jnp.float32)
+  kw = dict(causal=causal, scale=0.25, rate=0.2, seed=jnp.uint32(8))
+  slots = lambda x: [x[:, :, :, fd.STACKED.index(name)] for name in ("q", "k", "v")]
+  apart = lambda y, b: fd.dropout_flash_attention(*slots(y + b), seg, **kw)
+  for whole in (lambda y, b: fd.dropout_flash_attention(*slots(y + b), seg, qkv=y + b, **kw),
+                lambda y, b: fd.dropout_flash_attention(*slots(y + b), seg, qkv=y, qkv_bias=b, **kw)):
+    grads = lambda f: jax.value_and_grad(lambda y, b: jnp.sum(f(y, b) * cot), argnums=(0, 1))(y, bias)
+    (got, got_grads), (want, want_grads) = grads(whole), grads(apart)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-6)
+    for g, w in zip(got_grads, want_grads):
+      np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+  with pytest.raises(ValueError, match="stacked"):
+    fd.dropout_flash_attention(*slots(y), seg, qkv=y[:, :16], **kw)
+  with pytest.raises(ValueError, match="bias"):
+    fd.dropout_flash_attention(*slots(y), seg, qkv=y, qkv_bias=bias[:1], **kw)
+
+
 def test_rate_zero_is_attention_without_dropout():
   rng = np.random.default_rng(3)
   seg = jnp.asarray(random_packed(rng, 2, 32, max_docs=3, pad=4)[0])
@@ -193,8 +221,13 @@ kv_seg = jnp.asarray(np.repeat([[1] * 10 + [2] * 4 + [0] * 2], 4, 0), jnp.int32)
 attend = lambda q, k, v, s: fd.dropout_flash_attention(q, k, v, s, causal=True, scale=0.25, rate=0.3, seed=seed)
 cross = lambda q, k, v, s: fd.dropout_flash_attention(q, k[:, :16], v[:, :16], s, causal=False, scale=0.25, rate=0.3,
                                                       seed=seed, key_segment_ids=kv_seg)
+def stacked(q, k, v, s):  # slots k, v, q, and a bias [h, 3, d] taken from row 0 (its gradient: every shard's)
+  qkv = jnp.stack([k, v, q], axis=3)
+  bias = qkv[0, 0] * 0.5
+  return fd.dropout_flash_attention(q, k, v, s, causal=True, scale=0.25, rate=0.3, seed=seed, qkv=qkv - bias,
+                                    qkv_bias=bias)
 diffs, gathers = [], 0
-for fn in (attend, cross):
+for fn in (attend, cross, stacked):
   loss = lambda q, k, v, s: jnp.sum(fn(q, k, v, s) ** 2)
   want = [fn(q, k, v, seg), *jax.grad(loss, argnums=(0, 1, 2))(q, k, v, seg)]
   with parallel.context(mesh):
@@ -210,8 +243,9 @@ print(json.dumps({"diff": diffs, "gathers": gathers, "out_sharding": str(got[0].
 
 def test_a_mesh_draws_the_one_device_mask(tmp_path):
   """On 8 fake devices (rows over 2x2 data x FSDP, heads over 2 tensor shards) each device draws
-  the keep bits of its global rows and heads, in a causal self-attention and in a cross attention
-  (32 queries over 16 keys): the output equals one device's bitwise (a shard drawing another's
+  the keep bits of its global rows and heads, in a causal self-attention (q, k and v apart, and as
+  a stacked projection with its bias, whose gradient sums every row shard's) and in a cross
+  attention (32 queries over 16 keys): the output equals one device's bitwise (a shard drawing another's
   bits would be off by whole probabilities), the gradients to float32 rounding (delta = rowsum(dO
   * O) is summed by XLA in another order on a shard), with no all-gather in the forward pass."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)

@@ -123,6 +123,24 @@ def _attribute(inst: Instruction, key: str) -> str | None:
   return m.group(1) if m else None
 
 
+# The custom call of a Pallas kernel on a GPU (Triton).
+_PALLAS_GPU = "__gpu$xla.gpu.triton"
+
+
+def _slot_operands(inst: Instruction) -> set[int]:
+  """Operand indices of a Pallas (Triton) call that read nothing of their own: an operand named
+  again (tfx's kernels take a stacked projection once per slot, each reading its slot: the array
+  counts once) and one an output aliases (`output_to_operand_aliasing={{}: (9, {})}`: a buffer the
+  kernel writes part of in place; the whole output is still counted as written, an upper bound).
+  Any other custom call reads each operand it names (a matmul x . x^T reads x in both roles)."""
+  if _attribute(inst, "custom_call_target") != _PALLAS_GPU:
+    return set()
+  repeated = {i for i, o in enumerate(inst.operands) if o in inst.operands[:i]}
+  m = re.search(r"output_to_operand_aliasing=\{((?:[^{}]|\{[^{}]*\})*)\}", inst.attributes)
+  aliased = {int(i) for i in re.findall(r"\(\s*(\d+)\s*,", m.group(1))} if m else set()
+  return repeated | aliased
+
+
 _PASS_THROUGH = ("bitcast", "convert", "reshape", "copy")  # elementwise: a slice of them reads a slice
 
 
@@ -298,7 +316,9 @@ def kernels(text: str) -> list[Kernel]:
         elif inst.op in ("copy-start", "slice-start"):
           read = written = _transferred(inst)
         else:
-          operands = [computations[name][o].shape for o in inst.operands if o in computations[name]]
+          skipped = _slot_operands(inst)
+          operands = [computations[name][o].shape for i, o in enumerate(inst.operands)
+                      if o in computations[name] and i not in skipped]
           read = sum(shape_bytes(s) for s in operands)
           indices = sum(_integer_bytes(s) for s in operands)
           written = shape_bytes(inst.shape)

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from tfx import ops
 from tfx.ops import dropout as dropout_ops
 from tfx.ops import hoisting
-from tfx.ops.flash_dropout import fused_dropout_attention
-from tfx.nn.layers import DenseGeneral, ModelConfig, constrain, fused_projections
+from tfx.ops.flash_dropout import STACKED, fused_dropout_attention
+from tfx.nn.layers import DenseGeneral, ModelConfig, add_bias, constrain, fused_projections
 
 
 class Attention(nn.Module):
@@ -61,16 +61,24 @@ class Attention(nn.Module):
         (e,), (h, d), ("embed", "heads", "kv"), use_bias=cfg.use_bias, init_std=cfg.init_std, dtype=cfg.compute_dtype,
         name=name)
     projections = [proj(name) for name in ("query", "key", "value")]
+    qkv = None  # a self-attention's stacked projection, for the Pallas dropout kernel
     if not fuse:
       q, k, v = (p(x) for p, x in zip(projections, (x_q, x_kv, x_kv)))  # [b, t|s, h, d] each
     elif x_q is x_kv:  # self-attention: one matmul for the three projections, else for k and v
-      q, k, v = fused_projections(projections, x_q, cfg.compute_dtype)  # [b, t, h, d] each
+      # stacked in the Pallas dropout kernel's order, which reads q, k and v (and adds their bias)
+      # out of the matmul's output itself: `qkv`; every other path reads the slices
+      by_name = dict(zip(("q", "k", "v"), projections))
+      qkv = fused_projections([by_name[n] for n in STACKED], x_q, cfg.compute_dtype, stacked=True,
+                              bias_apart=True)  # ([b, t, h, 3, d], [h, 3, d] or None)
+      y = qkv[0] if qkv[1] is None else add_bias(*qkv)
+      k, v, q = (y[:, :, :, STACKED.index(n)] for n in ("k", "v", "q"))  # [b, t, h, d] each
     else:
       q = projections[0](x_q)  # [b, t, h, d]
       k, v = fused_projections(projections[1:], x_kv, cfg.compute_dtype)  # [b, s, h, d] each
     if self.use_rotary:
       q = ops.rotary(q, q_positions, cfg.rope_base)
       k = ops.rotary(k, kv_positions, cfg.rope_base)
+      qkv = None  # q and k are no longer its slots
     q = constrain(q, ("act_batch", "act_length", "act_heads", "act_kv"))
     k = constrain(k, ("act_batch", "act_length", "act_heads", "act_kv"))
     v = constrain(v, ("act_batch", "act_length", "act_heads", "act_kv"))
@@ -83,7 +91,8 @@ class Attention(nn.Module):
     dropout = cfg.attention_dropout if not self.deterministic else 0.0
     if dropout > 0.0:  # the Pallas kernel draws the dropout in itself; XLA's attention otherwise
       rng = self.make_rng("dropout")
-      out, _ = fused_dropout_attention(q, k, v, mask, bias, scale, dropout, rng, cfg.attention)  # logs its choice
+      out, _ = fused_dropout_attention(q, k, v, mask, bias, scale, dropout, rng, cfg.attention,
+                                       qkv=None if self.decode else qkv)  # logs its choice
       if out is None:
         out = _reference_with_dropout(q, k, v, ops.dense_mask(mask), bias, scale, dropout, rng)
     else:

@@ -365,8 +365,8 @@ def activation(kind: str):
   return _ACTIVATIONS[kind]
 
 
-def fused_projections(projections: list["DenseGeneral"], x: jax.Array, dtype,
-                      stacked: bool = False) -> list[jax.Array] | jax.Array:
+def fused_projections(projections: list["DenseGeneral"], x: jax.Array, dtype, stacked: bool = False,
+                      bias_apart: bool = False) -> list[jax.Array] | jax.Array | tuple:
   """x [b, t, e] through `DenseGeneral`s that share it (e -> [o, *rest] each) as one matmul.
 
   The kernels stay separate parameters; stacked on an axis right after their first output dim
@@ -375,12 +375,15 @@ def fused_projections(projections: list["DenseGeneral"], x: jax.Array, dtype,
   is one matmul over the n projections' output gradients together, instead of n matmuls whose
   products are then summed. Used for q, k and v of a self-attention, k and v of a cross-attention,
   and a gated MLP's two input projections. Returns [b, t, o, *rest] each, or with `stacked` the
-  matmul's output [b, t, o, n, *rest] as it is.
+  matmul's output [b, t, o, n, *rest] as it is, and with `bias_apart` too (that output before the
+  bias, the stacked bias [o, n, *rest] float32 or None): for a kernel that adds it as it reads.
   """
   weights = [p(None, weights_only=True) for p in projections]
   kernel = jnp.stack([w[0] for w in weights], axis=2)  # [e, o, n, *rest], float32
   bias = None if weights[0][1] is None else jnp.stack([w[1] for w in weights], axis=1)  # [o, n, *rest]
   y = flat_matmul(x.astype(dtype), kernel, 1)  # [b, t, o, n, *rest]
+  if stacked and bias_apart:
+    return y, bias
   if bias is not None:
     y = add_bias(y, bias)
   if stacked:

@@ -173,7 +173,7 @@ def shards() -> tuple[int, int]:
 
 
 def per_device(kernel, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array, *replicated: jax.Array,
-               offsets: bool = False, key_ids: jax.Array | None = None) -> jax.Array:
+               offsets: bool = False, key_ids: jax.Array | None = None, zero_padding: bool = True) -> jax.Array:
   """`kernel(q, k, v, ids, *replicated)` on each device's shard of the rows and heads
   (`jax.shard_map` over the activations' logical sharding: batch over the data axes, heads over
   `tensor`; `replicated` operands whole on every device) when the current mesh has more than one
@@ -181,10 +181,13 @@ def per_device(kernel, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array,
   kernel also gets the global index of its first row and first head (int32 scalars; 0 and 0
   without a mesh), for what it draws from global positions. With `key_ids` [b, s] (a cross
   attention's keys' segment ids; `ids` are then the queries'), the kernel gets them after `ids`.
+  q, k and v may also be a stacked [b, t, h, 3, d] projection, cut over its rows and heads alike,
+  or its bias [h, 3, d], cut over the heads (its gradient summed over the row shards).
+  `zero_padding=False`: the kernel gives padding queries zeros (and no gradient) itself.
 
-  The segment-id kernels let padding queries attend padding keys (both segment 0): their outputs
-  are zeroed, as the mask allows them nothing (their zero cotangent also keeps them out of dK and
-  dV).
+  JAX's segment-id kernels let padding queries attend padding keys (both segment 0): their outputs
+  are zeroed here, as the mask allows them nothing (their zero cotangent also keeps them out of dK
+  and dV); tfx's dropout kernels give them zeros themselves.
 
   A Pallas call is opaque to XLA's partitioner: left alone under a sharded batch it gathers every
   operand onto every device and runs the whole batch on each (28 all-gathers in one attention
@@ -201,6 +204,8 @@ def per_device(kernel, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array,
       if found is not None:
         extra = tuple(_shard_index(found[1][dim]) * q.shape[dim] for dim in (0, 2))
     out = kernel(q, k, v, *ids_and_replicated, *extra)  # [b', t, h', d]
+    if not zero_padding:
+      return out
     return jnp.where((ids_and_replicated[0] > 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
 
   if found is None:
@@ -210,7 +215,10 @@ def per_device(kernel, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array,
   _, spec = found  # [b, t, h, d]
   rows = (PartitionSpec(*spec[:2]),) * len(ids)  # [b, t] (, [b, s])
   whole = (PartitionSpec(),) * len(replicated)
-  return jax.shard_map(zeroed, in_specs=(spec, spec, spec, *rows, *whole), out_specs=spec,
+  # a stacked projection [b, t, h, 3, d] keeps its slots whole; its bias [h, 3, d] goes with the heads
+  stacked = {4: spec, 5: PartitionSpec(*spec[:3], None, spec[3]), 3: PartitionSpec(spec[2], None, spec[3])}
+  activations = tuple(stacked[x.ndim] for x in (q, k, v))
+  return jax.shard_map(zeroed, in_specs=(*activations, *rows, *whole), out_specs=spec,
                        check_vma=False)(q, k, v, *ids, *replicated)
 
 

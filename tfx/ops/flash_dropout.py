@@ -28,7 +28,11 @@ rowsum(dO * (P_dropped V))). Off a GPU they run in Pallas' interpreter (slow, ex
 
 Since stop 65 they also take BART's cross attention (decoder queries over the encoder's keys, each
 side's segment ids), which had kept XLA's attention: BART-base's own step compiled for an H100 at 32
-rows moves 72.8 GB instead of 91.2 and needs 9.32 instead of 12.07 GiB.
+rows moves 72.8 GB instead of 91.2 and needs 9.32 instead of 12.07 GiB. And a self-attention's
+fused projection [b, t, h, 3, d] comes whole (`STACKED` slots, its bias added as the blocks are
+read), its gradient is written as one stacked array, and padding queries get their zeros in the
+kernel: BERT-base's step 45.8 -> 43.3 GB, BART-base's 69.2 -> 66.0
+(docs/performance/6-dropout-and-layout.md).
 """
 
 import dataclasses
@@ -51,11 +55,14 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool,
                         scale: float, rate: float, seed: jax.Array,
-                        key_segment_ids: jax.Array | None = None) -> jax.Array:
+                        key_segment_ids: jax.Array | None = None, qkv: jax.Array | None = None,
+                        qkv_bias: jax.Array | None = None) -> jax.Array:
   """What `dropout_flash_attention` computes, as einsums in XLA with [b, h, t, s] arrays: the
   softmax in float32 over the segment mask (`key_segment_ids`: a cross attention's), the scores
   `tfx.ops.dropout.keep_bits` keeps kept and scaled by 1 / P(keep), queries with no key to attend
-  (padding) zero ([b, t, h, d] in v's dtype; the tests' and `tfx.check_attention`'s reference)."""
+  (padding) zero ([b, t, h, d] in v's dtype; the tests' and `tfx.check_attention`'s reference).
+  `qkv` and `qkv_bias`, the stacked projection q, k and v are slots of, change nothing here (the
+  kernel's signature, so that this can stand in for it)."""
   b, t, h, _ = q.shape
   s = k.shape[1]
   if k.shape[2] != h:
@@ -82,6 +89,8 @@ class _Static:
   back_q: int  # the backward kernels' query blocks
   back_k: int  # and key blocks
   interpret: bool
+  stacked: bool = False  # q, k and v are slots of one [b, t, h, 3, d] array (`STACKED`)
+  biased: bool = False  # and (stacked) their projection's bias [h, 3, d] is added as they are read
 
   @property
   def threshold(self) -> int:
@@ -147,9 +156,11 @@ def _forward_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, o_ref,
   init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
           jnp.zeros((block_q,), jnp.float32))
   acc, m, l = lax.fori_loop(0, blocks, body, init)
-  # A query with no key to attend (a cross attention's document without keys) saw only masked
-  # scores: its output is 0 and its log-sum-exp +inf, so that the backward kernels give it p = 0.
-  attends = m > 0.5 * MASK_VALUE  # [bq]
+  # A padding query, and one with no key to attend (a cross attention's document without keys,
+  # which saw only masked scores): its output is 0 and its log-sum-exp +inf, so that the backward
+  # kernels give it p = 0 (no gradient reaches q, k or v through it; nothing outside the kernel
+  # zeroes the output or its gradient).
+  attends = (m > 0.5 * MASK_VALUE) & (q_ids > 0)  # [bq]
   o_ref[...] = jnp.where(attends[:, None], acc * (static.keep_scale / l)[:, None], 0.0).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(attends, m + jnp.log(l), jnp.inf)
 
@@ -168,8 +179,10 @@ def _grad_scores(p, kept, do, v, delta, static: _Static):
   return dropped, p * (dp - delta[:, None])
 
 
-def _dkv_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
+def _dkv_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, do_ref, lse_ref, delta_ref, *out_refs,
                 static: _Static):
+  """dK and dV of a key block: into dk_ref and dv_ref, or (stacked) into the k and v slots of one
+  [block, 2, d] block of the stacked gradient."""
   block_q, block_k, t, s = static.back_q, static.back_k, q_ref.shape[0], k_ids_ref.shape[0]
   key = _program_stream(seeds_ref)
   k0 = pl.program_id(0) * block_k
@@ -190,12 +203,20 @@ def _dkv_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, do_ref, ls
   first = k0 // block_q if static.causal else 0  # causal: no earlier query sees this key block
   zeros = jnp.zeros(k.shape, jnp.float32)
   dk, dv = lax.fori_loop(first, t // block_q, body, (zeros, zeros))
-  dk_ref[...] = (dk * static.scale).astype(dk_ref.dtype)
-  dv_ref[...] = dv.astype(dv_ref.dtype)
+  dk = (dk * static.scale).astype(out_refs[0].dtype)
+  if static.stacked:
+    out_refs[0][:, STACKED.index("k"), :] = dk
+    out_refs[0][:, STACKED.index("v"), :] = dv.astype(out_refs[0].dtype)
+  else:
+    out_refs[0][...] = dk
+    out_refs[1][...] = dv.astype(out_refs[1].dtype)
 
 
-def _dq_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
+def _dq_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, do_ref, lse_ref, delta_ref, *refs,
                static: _Static):
+  """dQ of a query block into its output ref (the last; stacked, a buffer aliased to the stacked
+  gradient comes before it and is not read)."""
+  dq_ref = refs[-1]
   block_q, block_k, s = static.back_q, static.back_k, k_ref.shape[0]
   key = _program_stream(seeds_ref)
   q0 = pl.program_id(0) * block_q
@@ -214,20 +235,60 @@ def _dq_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, do_ref, lse
   dq_ref[...] = (dq * static.scale).astype(dq_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _call(kernel, static: _Static, block: int, out_shape: tuple, blocked: tuple[bool, ...], seeds, *operands):
+class _Biased:
+  """A q, k or v block ref whose reads add the projection's bias for this program's head ([d],
+  float32, rounded to the block's dtype first, as `tfx.nn.layers.add_bias` adds it)."""
+
+  def __init__(self, ref, bias_ref):
+    self.ref, self.bias_ref = ref, bias_ref
+
+  @property
+  def shape(self):
+    return self.ref.shape
+
+  def __getitem__(self, index):
+    block = self.ref[index]  # [n, d]
+    return block + self.bias_ref[...].astype(block.dtype)[None, :]
+
+
+def _with_biases(kernel, static: _Static):
+  """`kernel(*refs, static=static)`, its q, k and v refs reading their biases (`static.biased`:
+  the three bias refs come right after them, and the kernel does not see them)."""
+  def call(seeds_ref, q_ref, k_ref, v_ref, *refs):
+    if static.biased:
+      (bq, bk, bv), refs = refs[:3], refs[3:]
+      q_ref, k_ref, v_ref = _Biased(q_ref, bq), _Biased(k_ref, bk), _Biased(v_ref, bv)
+    return kernel(seeds_ref, q_ref, k_ref, v_ref, *refs, static=static)
+  call.__name__ = kernel.__name__
+  return call
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
+def _call(kernel, static: _Static, block: int, out_shape: tuple, blocked: tuple[bool, ...], slots: tuple,
+          aliases: tuple, seeds, *operands):
   """pallas_call of `kernel` over (n // block, b, h), n the length of its first output (queries
   or keys). Each of the outputs, then of the operands, is either `blocked` (program i gets
   positions i * block..) or whole along its length (t queries or s keys), per (row, head):
-  [b, t|s, h, d] activations, [b, t|s] segment ids, [b, h, t] softmax statistics.
+  [b, t|s, h, d] activations, [b, t|s] segment ids, [b, h, t] softmax statistics. `slots` (None
+  each, or for a stacked [b, t, h, 3, d] array (first slot, slots)) picks an array's slots: one is
+  a [.., d] block, two a [.., 2, d] one. `aliases`: pallas_call's input_output_aliases, as pairs
+  (operand index, the seeds not counted; output index).
 
   Under jit, as a call JAX can drop: a bare pallas_call survives dead-code elimination, and under
   a remat policy that keeps the forward kernel's named outputs the forward kernel then ran twice
   (BERT-base's step for an H100: four Triton kernels a layer where three do)."""
-  b, _, h, d = operands[0].shape
+  b, _, h = operands[0].shape[:3]
+  d = operands[0].shape[-1]
 
-  def spec(shape: tuple[int, ...], blocked: bool) -> pl.BlockSpec:
+  def spec(shape: tuple[int, ...], blocked: bool, slot) -> pl.BlockSpec:
     length = block if blocked else shape[2 if len(shape) == 3 else 1]
+    if slot is not None and len(shape) == 3:  # a stacked projection's bias [h, 3, d]: this head's slot
+      return pl.BlockSpec((None, None, d), lambda i, j, k: (k, slot[0], 0))
+    if slot is not None:  # [b, t, h, 3, d]: one slot, or two from an even one
+      start, width = slot
+      if width == 1:
+        return pl.BlockSpec((None, length, None, None, d), lambda i, j, k: (j, i if blocked else 0, k, start, 0))
+      return pl.BlockSpec((None, length, None, width, d), lambda i, j, k: (j, i if blocked else 0, k, start // width, 0))
     if len(shape) == 4:  # [b, t, h, d]
       return pl.BlockSpec((None, length, None, d), lambda i, j, k: (j, i if blocked else 0, k, 0))
     if len(shape) == 3:  # [b, h, t]
@@ -236,28 +297,55 @@ def _call(kernel, static: _Static, block: int, out_shape: tuple, blocked: tuple[
 
   outputs = len(out_shape)
   in_specs = [pl.BlockSpec((4,), lambda i, j, k: (0,))]  # the seeds, whole
-  in_specs += [spec(x.shape, flag) for x, flag in zip(operands, blocked[outputs:])]
-  out_specs = [spec(x.shape, flag) for x, flag in zip(out_shape, blocked[:outputs])]
+  in_specs += [spec(x.shape, flag, slot) for x, flag, slot in zip(operands, blocked[outputs:], slots[outputs:])]
+  out_specs = [spec(x.shape, flag, slot) for x, flag, slot in zip(out_shape, blocked[:outputs], slots[:outputs])]
   from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415  (compiler parameters only)
 
   return pl.pallas_call(
-      functools.partial(kernel, static=static), grid=(out_shape[0].shape[1] // block, b, h), in_specs=in_specs, out_specs=out_specs,
-      out_shape=out_shape, interpret=static.interpret, name=f"tfx_{kernel.__name__.strip('_')}",
+      _with_biases(kernel, static), grid=(out_shape[0].shape[1] // block, b, h), in_specs=in_specs,
+      out_specs=out_specs, out_shape=out_shape, interpret=static.interpret,
+      input_output_aliases={operand + 1: output for operand, output in aliases},
+      name=f"tfx_{kernel.__name__.strip('_')}",
       compiler_params=plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2),
   )(seeds, *operands)
 
 
+# The slots of a stacked self-attention projection [b, t, h, 3, d] (`tfx.nn.attention`'s order):
+# k and v first, so that the dK / dV kernel writes them as one [.., 2, d] block.
+STACKED = ("k", "v", "q")
+
+
+def _slot(name: str, width: int = 1) -> tuple[int, int]:
+  return STACKED.index(name), width
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _attend(q, k, v, q_ids, k_ids, seeds, static: _Static):
+  """Stacked (`static.stacked`): q is the [b, t, h, 3, d] array, k its bias [h, 3, d] float32
+  (`static.biased`) or None, and v None."""
   return _attend_fwd(q, k, v, q_ids, k_ids, seeds, static)[0]
 
 
+def _activations(q, k, v, static: _Static):
+  """(q, k, v operands, their slots): the three arrays, or the stacked one three times, then
+  (biased) its bias [h, 3, d] three times."""
+  if not static.stacked:
+    return (q, k, v), (None, None, None)
+  slots = (_slot("q"), _slot("k"), _slot("v"))
+  if static.biased:
+    return (q, q, q, k, k, k), slots * 2
+  return (q, q, q), slots
+
+
 def _attend_fwd(q, k, v, q_ids, k_ids, seeds, static: _Static):
-  b, t, h, _ = q.shape
+  b, t, h = q.shape[:3]
+  d = q.shape[-1]
   stats = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
-  # blocked: outputs (o, lse), then inputs (q, k, v, q_ids, k_ids)
-  out, lse = _call(_forward_kernel, static, static.block_q, (jax.ShapeDtypeStruct(q.shape, q.dtype), stats),
-                   (True, True, True, False, False, False, False), seeds, q, k, v, q_ids, k_ids)  # [b, t, h, d], [b, h, t]
+  qkv, slots = _activations(q, k, v, static)
+  # blocked: outputs (o, lse), then inputs (q, k, v[, their biases], q_ids, k_ids)
+  out, lse = _call(_forward_kernel, static, static.block_q, (jax.ShapeDtypeStruct((b, t, h, d), q.dtype), stats),
+                   (True, True, True, False, False, *(False,) * (len(qkv) - 3), False, False),
+                   (None, None, *slots, None, None), (), seeds, *qkv, q_ids, k_ids)  # [b, t, h, d], [b, h, t]
   out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_out")
   return out, (q, k, v, q_ids, k_ids, seeds, out, lse)
 
@@ -266,14 +354,29 @@ def _attend_bwd(static: _Static, residuals, d_out):
   q, k, v, q_ids, k_ids, seeds, out, lse = residuals
   delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))  # [b, h, t]
   d_out = d_out.astype(q.dtype)
-  operands = (q, k, v, q_ids, k_ids, d_out, lse, delta)
+  qkv, slots = _activations(q, k, v, static)
+  operands = (*qkv, q_ids, k_ids, d_out, lse, delta)
+  in_slots = (*slots, None, None, None, None, None)
+  biases = (False,) * (len(qkv) - 3)  # never blocked
   like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
   # dK, dV: blocked over keys; every query read. dQ: blocked over queries; every key read.
-  d_k, d_v = _call(_dkv_kernel, static, static.back_k, (like(k), like(v)),
-                   (True, True, False, True, True, False, False, False, False, False), seeds, *operands)
-  (d_q,) = _call(_dq_kernel, static, static.back_q, (like(q),),
-                 (True, True, False, False, False, False, True, True, True), seeds, *operands)
-  return d_q, d_k, d_v, None, None, None
+  dkv_blocked = (True, False, True, True, *biases, False, False, False, False, False)
+  dq_blocked = (True, True, False, False, *biases, False, False, True, True, True)
+  if not static.stacked:
+    d_k, d_v = _call(_dkv_kernel, static, static.back_k, (like(k), like(v)), (True, *dkv_blocked),
+                     (None, None, *in_slots), (), seeds, *operands)
+    (d_q,) = _call(_dq_kernel, static, static.back_q, (like(q),), dq_blocked, (None, *in_slots), (), seeds,
+                   *operands)
+    return d_q, d_k, d_v, None, None, None
+  # Stacked: the dK / dV kernel writes the k and v slots of the [b, t, h, 3, d] gradient, and the dQ
+  # kernel its q slot in the same buffer (aliased), so that no copy stacks the three gradients.
+  (d_kv,) = _call(_dkv_kernel, static, static.back_k, (like(q),), dkv_blocked, (_slot("k", 2), *in_slots), (),
+                  seeds, *operands)
+  (d_qkv,) = _call(_dq_kernel, static, static.back_q, (like(q),), (*dq_blocked, True),
+                   (_slot("q"), *in_slots, _slot("q")), ((len(operands), 0),), seeds, *operands, d_kv)
+  # the bias's gradient: the projection's summed over the rows, in float32 (as `add_bias`'s)
+  d_bias = jnp.sum(d_qkv.astype(jnp.float32), axis=(0, 1)).astype(k.dtype) if static.biased else None
+  return d_qkv, d_bias, None, None, None, None
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -292,6 +395,7 @@ def unsupported(q: jax.Array, k: jax.Array, mask, bias) -> str | None:
 
 def dropout_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool,
                             scale: float, rate: float, seed: jax.Array, key_segment_ids: jax.Array | None = None,
+                            qkv: jax.Array | None = None, qkv_bias: jax.Array | None = None,
                             interpret: bool | None = None) -> jax.Array:
   """Attention of each token over its own segment (and, when `causal`, at or before it) with
   dropout at `rate` on the probabilities; padding (segment 0) queries give zeros. With
@@ -307,6 +411,13 @@ def dropout_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_id
     seed: uint32 scalar, this call's (a fresh one per step and layer: `tfx.ops.dropout.seed`).
     key_segment_ids: [b, s] int, 0 = padding: a cross attention's keys' (the queries attend the
       keys of their own segment, and a query whose segment has none gives zeros).
+    qkv: a self-attention's fused projection [b, t, h, 3, d] (slots `STACKED`: k, v, q) of which
+      q, k and v are the slots: the kernels read their blocks out of it, and its gradient is
+      written into one [b, t, h, 3, d] array, so that nothing copies q, k and v out of the
+      projection or their gradients back in.
+    qkv_bias: that projection's bias [h, 3, d] (float32), not yet added to `qkv`: the kernels add
+      it as they read q, k and v (so that the projection's matmul writes `qkv` and nothing adds
+      the bias in a pass of its own), or None.
     interpret: run Pallas' interpreter; default: off a GPU.
 
   Returns:
@@ -328,25 +439,38 @@ def dropout_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_id
   if k.shape[2] != h:  # grouped-query heads: each key/value head serves h // k query heads
     k = jnp.repeat(k, h // k.shape[2], axis=2)  # [b, s, h, d]
     v = jnp.repeat(v, h // v.shape[2], axis=2)  # [b, s, h, d]
+  stacked = qkv is not None
+  if stacked and (key_segment_ids is not None or qkv.shape != (b, t, h, len(STACKED), d)):
+    raise ValueError(f"qkv must be a self-attention's stacked [b, t, h, {len(STACKED)}, d] projection, "
+                     f"got {qkv.shape} beside q {q.shape}")
+  if qkv_bias is not None and (not stacked or qkv_bias.shape != qkv.shape[2:]):
+    raise ValueError(f"qkv_bias must be the stacked projection's bias {qkv.shape[2:] if stacked else ''}, "
+                     f"got {qkv_bias.shape}")
   static = _Static(scale=float(scale), causal=causal, rate=float(rate), block_q=block_q, block_k=block_k,
                    back_q=min(block_q, flash.BACKWARD_BLOCK), back_k=min(block_k, flash.BACKWARD_BLOCK),
-                   interpret=target.backend() != "gpu" if interpret is None else interpret)
+                   interpret=target.backend() != "gpu" if interpret is None else interpret, stacked=stacked,
+                   biased=qkv_bias is not None)
   seed = lax.convert_element_type(seed, jnp.int32)  # the bits travel as int32 (the kernels' scalar operands)
 
-  def kernel(q, k, v, q_ids, k_ids, seed, first_row, first_head):  # one device's rows and heads: [b', t, h', d]
+  def kernel(q, k, v, q_ids, k_ids, seed, first_row, first_head):  # one device's rows and heads: [b', t, h', (3,) d]
     seeds = jnp.stack([seed, first_row, first_head, jnp.zeros((), jnp.int32)])  # [4] int32
+    if stacked:  # q is the stacked projection, k its bias or the projection again
+      return _attend(q, k if static.biased else None, None, q_ids, k_ids, seeds, static)  # [b', t, h', d]
     return _attend(q, k, v, q_ids, k_ids, seeds, static)  # [b', t, h', d]
 
   key_ids = segment_ids if key_segment_ids is None else key_segment_ids
-  return flash.per_device(kernel, q, k, v, segment_ids, seed, offsets=True, key_ids=key_ids)
+  arrays = (qkv, qkv if qkv_bias is None else qkv_bias, qkv) if stacked else (q, k, v)
+  return flash.per_device(kernel, *arrays, segment_ids, seed, offsets=True, key_ids=key_ids, zero_padding=False)
 
 
 def fused_dropout_attention(q, k, v, mask, bias, scale: float, rate: float, rng: jax.Array,
-                            implementation: str) -> tuple[jax.Array | None, str]:
+                            implementation: str, qkv: tuple | None = None) -> tuple[jax.Array | None, str]:
   """(output, why): these kernels' attention with dropout when `implementation` picks the Pallas
   kernel here (`tfx.ops.attention.choose_implementation`) and they can take the inputs; else (None,
   why not), and the caller runs XLA's attention with dropout. Either way the choice is logged
-  (`tfx.ops.attention.log_choice`: 'pallas' or 'xla', with the reason)."""
+  (`tfx.ops.attention.log_choice`: 'pallas' or 'xla', with the reason). `qkv`: (the stacked
+  projection q, k and v are the slots of, its bias or None), a self-attention's
+  (`dropout_flash_attention`), or None."""
   from tfx.ops import attention  # noqa: PLC0415  (attention imports this module's siblings)
 
   impl, why = attention.choose_implementation(implementation, q.dtype, q.shape[-1])
@@ -356,6 +480,8 @@ def fused_dropout_attention(q, k, v, mask, bias, scale: float, rate: float, rng:
       ids = {"segment_ids": mask.q_segment_ids, "causal": False, "key_segment_ids": mask.k_segment_ids}
     else:
       ids = {"segment_ids": mask.segment_ids, "causal": mask.causal}
+      if qkv is not None:
+        ids.update(qkv=qkv[0], qkv_bias=qkv[1])
     out = dropout_flash_attention(q, k, v, **ids, scale=scale, rate=rate, seed=dropout.seed(rng))
     why = f"{why}; dropout {rate} drawn in the kernel"
   else:
