@@ -272,9 +272,10 @@ def test_a_model_draws_its_dropout_in_the_kernel(monkeypatch, family):
   monkeypatch.setattr(attn, "_on_gpu", lambda: True)
   length, vocab = 32, 97
   kwargs = {}
-  cfg = tiny_config(f"--config.model.family={family.removesuffix('_rows')}", "--config.model.num_layers=2", "--config.model.d_model=32",
-                    "--config.model.d_ff=64", "--config.model.num_heads=2", "--config.model.attention=pallas",
-                    "--config.model.attention_dropout=0.2", "--config.model.num_decoder_layers=2")
+  cfg = tiny_config(f"--config.model.family={family.removesuffix('_rows')}", "--config.model.num_layers=2",
+                    "--config.model.d_model=32", "--config.model.d_ff=64", "--config.model.num_heads=2",
+                    "--config.model.attention=pallas", "--config.model.attention_dropout=0.2",
+                    "--config.model.num_decoder_layers=2")
   rng = np.random.default_rng(7)
   packed = lambda n: [jnp.asarray(a) for a in random_packed(rng, 2, n, max_docs=3, pad=6)]  # ids, positions
   tokens = lambda n: jnp.asarray(rng.integers(4, vocab, (2, n)), jnp.int32)

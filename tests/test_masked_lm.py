@@ -343,46 +343,29 @@ def _find_table(grads):
   return found[0]
 
 
-def test_the_gathered_heads_loss_keeps_bf16_logits():
-  """The gathered head computes the loss itself (`mlm_head(hidden, loss)`): in bf16 the loss and
-  metrics of the float32 logits it returns without `loss`, the gradients within bf16's rounding,
-  and no scatter of the targets' gradient into a float32 [b, slots, v] buffer."""
+@pytest.mark.parametrize("gather", [True, False])
+def test_the_loss_keeps_bf16_logits(gather):
+  """The loss reads bf16 logits, whether the gathered head computes it (`mlm_head(hidden, loss)`)
+  or the head runs at every position (`gather_predictions=False`: the encoder's compute-dtype
+  logits): the loss and metrics of the float32 logits the model returns by default, the gradients
+  within bf16's rounding, and no scatter of the targets' gradient into a float32 [b, n, v] buffer."""
   t = 48
   model, params = real_encoder(t, "--config.model.dtype=bfloat16")
   tokens, seg, pos = random_batch(np.random.default_rng(15), 4, t)
   batch = {"tokens": jnp.asarray(tokens), "segment_ids": jnp.asarray(seg), "positions": jnp.asarray(pos)}
-  objective = MaskedLM(IDS, mask_rate=0.3, gather_predictions=True)
+  objective = MaskedLM(IDS, mask_rate=0.3, gather_predictions=gather)
   rng = jax.random.key(16)
 
-  def float32_logits_loss(p):  # the head's logits returned, the loss computed from them outside
-    inputs, targets, weights = objective.mask(batch, jax.random.split(rng)[0])
-    where = selected_positions(weights, objective.gather_slots(model, t))
-    hidden = model.apply({"params": p}, inputs, batch["segment_ids"], batch["positions"], return_hidden=True,
-                         rows=where)
-    logits = model.apply({"params": p}, hidden, method="mlm_head")
-    assert logits.dtype == jnp.float32
-    take = lambda a: jnp.take_along_axis(a, where, axis=1)
-    return ops.weighted_cross_entropy(logits, take(targets), take(weights))
-
-  ours, reference = compare_with_float32_logits_loss(
-      lambda p: objective.loss(model, p, batch, rng, train=False), float32_logits_loss, params)
-  assert reference == ours + 1  # the targets' logits' gradient
-
-
-def test_the_head_everywhere_loss_keeps_bf16_logits():
-  """Without `gather_predictions` the head runs at every position and the loss reads its logits in
-  the compute dtype: in bf16 the loss and metrics of the float32 logits the model returns by
-  default, the gradients within bf16's rounding, and no scatter of the targets' gradient into a
-  float32 [b, t, v] buffer."""
-  t = 48
-  model, params = real_encoder(t, "--config.model.dtype=bfloat16")
-  tokens, seg, pos = random_batch(np.random.default_rng(17), 4, t)
-  batch = {"tokens": jnp.asarray(tokens), "segment_ids": jnp.asarray(seg), "positions": jnp.asarray(pos)}
-  objective = MaskedLM(IDS, mask_rate=0.3, gather_predictions=False)
-  rng = jax.random.key(18)
-
-  def float32_logits_loss(p):
-    logits, targets, weights, _ = objective._forward(model, p, batch, rng, train=False)
+  def float32_logits_loss(p):  # the model's float32 logits, the loss computed from them outside
+    if not gather:
+      logits, targets, weights, _ = objective._forward(model, p, batch, rng, train=False)
+    else:
+      inputs, targets, weights = objective.mask(batch, jax.random.split(rng)[0])
+      where = selected_positions(weights, objective.gather_slots(model, t))
+      hidden = model.apply({"params": p}, inputs, batch["segment_ids"], batch["positions"], return_hidden=True,
+                           rows=where)
+      logits = model.apply({"params": p}, hidden, method="mlm_head")
+      targets, weights = (jnp.take_along_axis(a, where, axis=1) for a in (targets, weights))
     assert logits.dtype == jnp.float32
     return ops.weighted_cross_entropy(logits, targets, weights)
 

@@ -84,7 +84,8 @@ def logits_and_hidden(model, params, tokens, segment_ids, positions, *, train: b
   last = "final_norm" if model.cfg.norm == "pre" else "encoder"
   logits, captured = model.apply(
       {"params": params}, tokens, segment_ids, positions, token_types=token_types, train=train, rngs=rngs or {},
-      capture_intermediates=lambda m, _: m.name == last, mutable=["intermediates"], float32_logits=float32_logits)
+      capture_intermediates=lambda m, _: m.name == last, mutable=["intermediates"],
+      **({} if float32_logits else {"float32_logits": False}))
   return logits, captured["intermediates"][last]["__call__"][0]
 
 
@@ -337,9 +338,10 @@ class MaskedLM(Objective):
     slots = self.gather_slots(model, batch["tokens"].shape[1])
     if slots is not None:
       return self.rows_loss(model, params, batch, rng, slots, train=train)
-    # the head at every position: its logits in the compute dtype (the loss reads them in float32,
-    # and bf16 ones get its one-pass gradient)
-    out, targets, weights, _ = self._forward(model, params, batch, rng, train=train, float32_logits=False)
+    # the head at every position: tfx's encoder (a model with `mlm_head`) gives its logits in the
+    # compute dtype (the loss reads them in float32, and bf16 ones get its one-pass gradient)
+    out, targets, weights, _ = self._forward(model, params, batch, rng, train=train,
+                                             float32_logits=not hasattr(model, "mlm_head"))
     return self.mlm_loss(model, params, out, targets, weights, None)
 
   def rows_loss(self, model, params, batch, rng, slots: int, *, train):

@@ -288,7 +288,8 @@ def _call(kernel, static: _Static, block: int, out_shape: tuple, blocked: tuple[
       start, width = slot
       if width == 1:
         return pl.BlockSpec((None, length, None, None, d), lambda i, j, k: (j, i if blocked else 0, k, start, 0))
-      return pl.BlockSpec((None, length, None, width, d), lambda i, j, k: (j, i if blocked else 0, k, start // width, 0))
+      return pl.BlockSpec((None, length, None, width, d),
+                          lambda i, j, k: (j, i if blocked else 0, k, start // width, 0))
     if len(shape) == 4:  # [b, t, h, d]
       return pl.BlockSpec((None, length, None, d), lambda i, j, k: (j, i if blocked else 0, k, 0))
     if len(shape) == 3:  # [b, h, t]
