@@ -43,18 +43,19 @@ from tfx.registry import OBJECTIVES
 
 
 def _init_and_shardings(model, mesh, seq_len: int):
-  """(init: rng -> boxed parameters, their shardings on `mesh`) of `model`."""
+  """(init: rng -> boxed parameters, their abstract values (boxed), their shardings on `mesh`) of
+  `model`."""
   inputs = type(model).init_inputs(1, seq_len)
   init = lambda rng: model.init({"params": rng, "dropout": rng}, **inputs)["params"]
   key = jax.random.key(0)  # made outside the mesh's context: its devices may be a compile-only topology's
   with parallel.context(mesh):
     abstract = jax.eval_shape(init, key)
-  return init, parallel.logical_to_sharding(abstract, mesh)
+  return init, abstract, parallel.logical_to_sharding(abstract, mesh)
 
 
 def sharded_init(model, mesh, seed: int, seq_len: int):
   """`model`'s parameters at initialisation from `seed`, created sharded on `mesh`."""
-  init, shardings = _init_and_shardings(model, mesh, seq_len)
+  init, _, shardings = _init_and_shardings(model, mesh, seq_len)
   with parallel.context(mesh):
     return jax.jit(lambda rng: nn.unbox(init(rng)), out_shardings=shardings)(jax.random.key(seed))
 
@@ -62,11 +63,9 @@ def sharded_init(model, mesh, seed: int, seq_len: int):
 def abstract_params(model, mesh, seq_len: int):
   """`model`'s parameters as `jax.ShapeDtypeStruct`s with their shardings on `mesh`: nothing
   initialised, loaded or placed."""
-  init, shardings = _init_and_shardings(model, mesh, seq_len)
-  key = jax.random.key(0)
-  with parallel.context(mesh):
-    abstract = jax.eval_shape(lambda rng: nn.unbox(init(rng)), key)
-  return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
+  _, abstract, shardings = _init_and_shardings(model, mesh, seq_len)
+  return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), nn.unbox(abstract),
+                      shardings)
 
 
 @functools.lru_cache(maxsize=8)
@@ -166,7 +165,7 @@ class Distillation(MaskedLM):
     teacher, s = self._checked_teacher(model), model.cfg
     if self.teacher == "init":
       return sharded_init(model, mesh, self.teacher_seed, s.max_length)
-    _, shardings = _init_and_shardings(teacher, mesh, 8)
+    _, _, shardings = _init_and_shardings(teacher, mesh, 8)
     if self.teacher.startswith("hf:"):
       _, params = _hf_teacher(self.teacher[3:])
       return jax.tree.map(lambda a, sh: jax.device_put(np.asarray(a, np.float32), sh), params, shardings)

@@ -55,14 +55,11 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool,
                         scale: float, rate: float, seed: jax.Array,
-                        key_segment_ids: jax.Array | None = None, qkv: jax.Array | None = None,
-                        qkv_bias: jax.Array | None = None) -> jax.Array:
+                        key_segment_ids: jax.Array | None = None) -> jax.Array:
   """What `dropout_flash_attention` computes, as einsums in XLA with [b, h, t, s] arrays: the
   softmax in float32 over the segment mask (`key_segment_ids`: a cross attention's), the scores
   `tfx.ops.dropout.keep_bits` keeps kept and scaled by 1 / P(keep), queries with no key to attend
-  (padding) zero ([b, t, h, d] in v's dtype; the tests' and `tfx.check_attention`'s reference).
-  `qkv` and `qkv_bias`, the stacked projection q, k and v are slots of, change nothing here (the
-  kernel's signature, so that this can stand in for it)."""
+  (padding) zero ([b, t, h, d] in v's dtype; the tests' and `tfx.check_attention`'s reference)."""
   b, t, h, _ = q.shape
   s = k.shape[1]
   if k.shape[2] != h:
