@@ -119,6 +119,48 @@ def test_cross_attention_kernel_is_xla_attention_dropping_the_same_scores():
   assert np.any(np.asarray(d_v)[0, :10])
 
 
+@pytest.mark.parametrize("form", ["relative_slots", "causal_packed"])
+def test_a_bias_of_every_row_and_head_carries_the_mask(form):
+  """A bias [b, h, t, s] on the scores, beside the mask it carries (`fd.score_bias`): XLNet's form
+  (21 query-stream slots, padded to a block in the kernel, over 48 keys; its relative terms as the
+  bias, a permutation's dense mask; a slot with no key) and a causal self-attention over packed
+  rows. The output and the gradients of q, k, v and the bias equal XLA's attention with that mask
+  and bias dropping the same scores (`softmax_attention`, what XLNet runs without the kernel); a
+  query with no key gives zeros and sends no gradient; a masked score's bias gets none either."""
+  rng = np.random.default_rng(21)
+  b, h, d = 2, 2, 16
+  t, s = (21, 48) if form == "relative_slots" else (48, 48)
+  q = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(b, s, h, d)), jnp.float32) for _ in range(2))
+  bias = jnp.asarray(rng.normal(size=(b, h, t, s)), jnp.float32)
+  cot = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+  seed, rate = dropout.seed(jax.random.key(8)), 0.2
+  if form == "relative_slots":
+    mask = jnp.asarray(rng.random((b, 1, t, s)) < 0.6).at[0, 0, 3].set(False)  # slot 3 of row 0: no key
+    ids = {"segment_ids": jnp.ones((b, t), jnp.int32), "key_segment_ids": jnp.ones((b, s), jnp.int32),
+           "causal": False}
+  else:
+    seg = jnp.asarray(random_packed(rng, b, t, max_docs=3, pad=7)[0])
+    mask, ids = ops.SegmentMask(seg, causal=True).dense(), {"segment_ids": seg, "causal": True}
+  kernel = lambda q, k, v, bias: fd.dropout_flash_attention(q, k, v, **ids, scale=0.25, rate=rate, seed=seed,
+                                                            scores=fd.score_bias(bias, mask))
+  xla = lambda q, k, v, bias: attn.softmax_attention(q, k, v, mask, bias, 0.25, dropout_rate=rate, seed=seed)
+  grads = lambda fn: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(fn(*a) * cot), argnums=(0, 1, 2, 3)))
+
+  out = jax.jit(kernel)(q, k, v, bias)
+  np.testing.assert_allclose(out, xla(q, k, v, bias), atol=2e-5, rtol=2e-5)
+  silent = ~np.asarray(jnp.any(mask, axis=-1))[:, 0]  # [b, t]
+  assert silent.any() and not np.any(np.asarray(out)[silent])
+  (got_loss, got), (want_loss, want) = grads(kernel)(q, k, v, bias), grads(xla)(q, k, v, bias)
+  np.testing.assert_allclose(got_loss, want_loss, atol=1e-4)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5)
+  assert not np.any(np.asarray(got[0])[silent])
+  assert not np.any(np.asarray(got[3])[~np.broadcast_to(np.asarray(mask), bias.shape)])
+  with pytest.raises(ValueError, match=r"scores must be a bias \[b, h, t, s\]"):
+    fd.dropout_flash_attention(q, k, v, **ids, scale=0.25, rate=rate, seed=seed, scores=bias[:1])
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_a_stacked_projection_is_read_and_written_in_place(causal):
   """A self-attention's fused projection [b, t, h, 3, d] (slots k, v, q) handed to the kernels
@@ -179,24 +221,28 @@ def test_the_draw_is_the_same_for_every_block_size():
   """The forward and backward kernels at 16-, 32- and 64-token blocks give the same output and
   gradients (bitwise for the output of blocks that see the same keys in the same order: compared
   to float32 rounding here), as the keep bits come from global positions, not from blocks; so do
-  a cross attention's (64 queries over 32 keys) with query and key blocks of different lengths."""
+  a cross attention's (64 queries over 32 keys) with query and key blocks of different lengths, and
+  with a bias on the scores (theirs, and its gradient, the same too)."""
   rng = np.random.default_rng(11)
   seg = jnp.asarray(random_packed(rng, 2, 64, max_docs=3, pad=6)[0])
   kv_seg = jnp.asarray(random_packed(rng, 2, 32, max_docs=3, pad=4)[0])
   q, k, v = _qkv(rng, 2, 64, 2, 2)
+  bias = jnp.asarray(rng.normal(size=(2, 2, 64, 32)), jnp.float32)
   seeds = jnp.asarray([99, 0, 0, 0], jnp.int32)
-  cases = {  # (causal, key ids, key length): (block_q, block_k, back_q, back_k) each
-      "causal": (True, seg, 64, [(16, 16, 16, 16), (32, 32, 32, 32), (64, 64, 64, 64)]),
-      "cross": (False, kv_seg, 32, [(16, 16, 16, 16), (64, 32, 32, 16), (32, 16, 16, 32)]),
+  cases = {  # (causal, key ids, key length, score bias): (block_q, block_k, back_q, back_k) each
+      "causal": (True, seg, 64, None, [(16, 16, 16, 16), (32, 32, 32, 32), (64, 64, 64, 64)]),
+      "cross": (False, kv_seg, 32, None, [(16, 16, 16, 16), (64, 32, 32, 16), (32, 16, 16, 32)]),
+      "cross_biased": (False, kv_seg, 32, bias, [(16, 16, 16, 16), (64, 32, 32, 16), (32, 16, 16, 32)]),
   }
-  for causal, k_ids, s, blocks in cases.values():
+  for causal, k_ids, s, sb, blocks in cases.values():
     results = []
     for block_q, block_k, back_q, back_k in blocks:
       static = fd._Static(scale=0.25, causal=causal, rate=0.2, block_q=block_q, block_k=block_k, back_q=back_q,
-                          back_k=back_k, interpret=True)
-      attend = lambda q, k, v, static=static, k_ids=k_ids: fd._attend(q, k, v, seg, k_ids, seeds, static)
-      kv = (k[:, :s], v[:, :s])
-      results.append([attend(q, *kv), *jax.grad(lambda *a: jnp.sum(attend(*a) ** 2), argnums=(0, 1, 2))(q, *kv)])
+                          back_k=back_k, interpret=True, score_bias=sb is not None)
+      attend = lambda q, k, v, sb, static=static, k_ids=k_ids: fd._attend(q, k, v, seg, k_ids, sb, seeds, static)
+      args = (q, k[:, :s], v[:, :s], sb)
+      grads = jax.grad(lambda *a: jnp.sum(attend(*a) ** 2), argnums=(0, 1, 2, 3) if sb is not None else (0, 1, 2))
+      results.append([attend(*args), *grads(*args)])
     for other in results[1:]:
       for got, want in zip(other, results[0]):
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
@@ -221,13 +267,19 @@ kv_seg = jnp.asarray(np.repeat([[1] * 10 + [2] * 4 + [0] * 2], 4, 0), jnp.int32)
 attend = lambda q, k, v, s: fd.dropout_flash_attention(q, k, v, s, causal=True, scale=0.25, rate=0.3, seed=seed)
 cross = lambda q, k, v, s: fd.dropout_flash_attention(q, k[:, :16], v[:, :16], s, causal=False, scale=0.25, rate=0.3,
                                                       seed=seed, key_segment_ids=kv_seg)
+score_bias = jnp.asarray(rng.normal(size=(4, 4, 27, 16)), jnp.float32)
+dense = jnp.asarray(rng.random((4, 1, 27, 16)) < 0.7)
+def biased(q, k, v, s):  # 27 queries (padded to a block) over 16 keys, a bias of every row and head carrying a mask
+  return fd.dropout_flash_attention(q[:, :27], k[:, :16], v[:, :16], jnp.ones((4, 27), jnp.int32), causal=False,
+                                    scale=0.25, rate=0.3, seed=seed, key_segment_ids=jnp.ones((4, 16), jnp.int32),
+                                    scores=fd.score_bias(score_bias, dense))
 def stacked(q, k, v, s):  # slots k, v, q, and a bias [h, 3, d] taken from row 0 (its gradient: every shard's)
   qkv = jnp.stack([k, v, q], axis=3)
   bias = qkv[0, 0] * 0.5
   return fd.dropout_flash_attention(q, k, v, s, causal=True, scale=0.25, rate=0.3, seed=seed, qkv=qkv - bias,
                                     qkv_bias=bias)
 diffs, gathers = [], 0
-for fn in (attend, cross, stacked):
+for fn in (attend, cross, biased, stacked):
   loss = lambda q, k, v, s: jnp.sum(fn(q, k, v, s) ** 2)
   want = [fn(q, k, v, seg), *jax.grad(loss, argnums=(0, 1, 2))(q, k, v, seg)]
   with parallel.context(mesh):
@@ -244,8 +296,9 @@ print(json.dumps({"diff": diffs, "gathers": gathers, "out_sharding": str(got[0].
 def test_a_mesh_draws_the_one_device_mask(tmp_path):
   """On 8 fake devices (rows over 2x2 data x FSDP, heads over 2 tensor shards) each device draws
   the keep bits of its global rows and heads, in a causal self-attention (q, k and v apart, and as
-  a stacked projection with its bias, whose gradient sums every row shard's) and in a cross
-  attention (32 queries over 16 keys): the output equals one device's bitwise (a shard drawing another's
+  a stacked projection with its bias, whose gradient sums every row shard's), in a cross
+  attention (32 queries over 16 keys) and in one with a bias of every row and head (27 queries,
+  cut with the rows and heads): the output equals one device's bitwise (a shard drawing another's
   bits would be off by whole probabilities), the gradients to float32 rounding (delta = rowsum(dO
   * O) is summed by XLA in another order on a shard), with no all-gather in the forward pass."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
@@ -321,8 +374,9 @@ def test_a_model_draws_its_dropout_in_the_kernel(monkeypatch, family):
 
 
 def test_what_the_kernel_refuses_goes_to_xla(monkeypatch):
-  """Off a GPU, for 'auto', a dense mask, a bias or an odd head dim the caller gets no output and
-  a reason (it then runs XLA's attention with dropout)."""
+  """Off a GPU, for 'auto', a dense mask without a bias of every row and head, a bias beside a
+  family's mask or an odd head dim the caller gets no output and a reason (it then runs XLA's
+  attention with dropout)."""
   rng = np.random.default_rng(1)
   seg = jnp.asarray(random_packed(rng, 2, 32, max_docs=2, pad=0)[0])
   q, k, v = _qkv(rng, 2, 32, 2, 2)
@@ -332,8 +386,16 @@ def test_what_the_kernel_refuses_goes_to_xla(monkeypatch):
   assert run("pallas") == (None, "model.attention_dropout=0.1: Pallas dropout attention needs a GPU: no GPU (backend cpu)")
   monkeypatch.setattr(attn, "_on_gpu", lambda: True)
   assert run("auto")[0] is None and "model.attention=pallas" in run("auto")[1]
-  assert "dense mask" in run("pallas", mask=ops.SegmentMask(seg, True).dense())[1]
+  dense = ops.SegmentMask(seg, True).dense()
+  assert "dense mask" in run("pallas", mask=dense)[1]
   assert "bias" in run("pallas", bias=jnp.zeros((1, 2, 32, 32)))[1]
+  # a bias of every row and head carries a dense mask (XLNet's relative terms); one shared by the
+  # rows (T5's) or in float16 does not
+  assert "every row and head" in run("pallas", mask=dense, bias=jnp.zeros((1, 2, 32, 32)))[1]
+  assert "float16" in run("pallas", mask=dense, bias=jnp.zeros((2, 2, 32, 32), jnp.float16))[1]
+  out, why = run("pallas", mask=dense, bias=jnp.zeros((2, 2, 32, 32)))
+  assert out.shape == q.shape and why == ("GPU, a bias of every row and head carrying the mask; dropout 0.1 drawn in "
+                                          "the kernel")
   odd = [x[..., :12] for x in (q, k, v)]
   assert "power of two" in run("pallas", q=odd[0], k=odd[1], v=odd[2])[1]
   out, why = run("pallas")

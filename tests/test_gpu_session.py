@@ -106,7 +106,8 @@ def test_session_runs_every_step_and_writes_its_results(tmp_path):
     assert all(m["documents"] == docs for r in packed["runs"] for m in r["models"])
   chunks = json.loads((out / "loss_chunk.json").read_text())
   assert [r["overrides"] for r in chunks["runs"]] == [["model.loss_chunk=256"]]
-  for name, objective in (("dropout", "masked_lm"), ("dropout_bart", "text_infilling")):  # own configs, auto then pallas
+  for name, objective in (("dropout", "masked_lm"), ("dropout_bart", "text_infilling"),
+                          ("dropout_xlnet", "permutation_lm")):  # own configs, auto then pallas
     dropout = json.loads((out / f"{name}.json").read_text())
     assert [(r["sweep_value"], r["objective"]) for r in dropout] == [("auto", objective), ("pallas", objective)]
     assert all(r["step_s"] > 0 and "model.attention_dropout=0.1" in r["attention"] for r in dropout)

@@ -587,3 +587,45 @@ def test_the_heads_loss_keeps_bf16_logits_and_gives_the_float32_logits_loss():
 
   # the embedding table's scatter; + the targets' logits' for the float32 logits
   assert compare_with_float32_logits_loss(head_loss, logits_loss, params) == (1, 2)
+
+
+def test_attention_dropout_runs_in_the_kernel_drawing_xlas_bits(monkeypatch):
+  """With attention dropout and model.attention=pallas (a GPU faked for the choice) every attention
+  of both streams runs tfx's Pallas kernel (`tfx.ops.flash_dropout`, interpreted here), the
+  relative terms its bias carrying the permutation's masks (the query stream's 5 slots padded to a
+  block inside it), with memory and bi_data's signs: the training-mode logits, new memory and
+  gradients equal those of XLA's attention, which draws the same keep bits (what runs without a
+  GPU), and another dropout key gives other logits."""
+  from tfx.ops import attention as attn
+
+  monkeypatch.setattr(attn, "_on_gpu", lambda: True)
+  b, t, m, e = 2, 16, 16, 32  # head dim 16; 32 keys
+  cfg = _cfg(d_model=e, num_heads=2, mem_len=m, attention="pallas", attention_dropout=0.3, dropout=0.1)
+  params = _init(cfg)
+  rng = np.random.default_rng(12)
+  content, query = _perm_masks(np.stack([rng.permutation(t) for _ in range(b)]), m)
+  mapping = jnp.asarray(np.eye(t, dtype=np.float32)[None, 3:8].repeat(b, 0))  # [b, 5, t]
+  inputs = (jnp.asarray(rng.integers(0, V, (b, t))), jnp.asarray(rng.integers(0, 2, (b, t))), content, query,
+            mapping, jax.random.normal(jax.random.key(3), (L, b, m, e)), jnp.asarray([1.0, -1.0]))
+
+  def run(key):
+    def loss(p):
+      logits, new_mems = XLNet(cfg).apply({"params": p}, *inputs, train=True, rngs={"dropout": key})
+      return jnp.sum(jnp.tanh(logits)) + jnp.sum(new_mems), (logits, new_mems)
+
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+  with attn.recorded_choices() as chosen:
+    (_, (logits, mems)), grads = run(jax.random.key(1))
+  assert set(chosen) == {("pallas", "GPU, a bias of every row and head carrying the mask; dropout 0.3 drawn in the "
+                                    "kernel")} and len(chosen) == 2 * L - 1, chosen  # (the last: the query stream)
+  (_, (other, _)), _ = run(jax.random.key(2))
+  assert np.mean(np.abs(np.asarray(logits - other))) > 1e-3
+  monkeypatch.setattr(attn, "_on_gpu", lambda: False)
+  with attn.recorded_choices() as chosen:
+    (_, (want, want_mems)), want_grads = run(jax.random.key(1))
+  assert {impl for impl, _ in chosen} == {"xla"}, chosen
+  np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(mems, want_mems, rtol=1e-6, atol=1e-6)
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-5 * float(np.abs(w).max()), err_msg=jax.tree_util.keystr(path))

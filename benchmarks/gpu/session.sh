@@ -43,10 +43,12 @@
 #   profile      three steps of each suite model traced (OUT/profile/<model>) and their   300 s
 #                kernels summed by kind (python -m tfx.bench_profile); each HLO kernel's time
 #                joined with its bytes (ms, GB, TB/s: profile.json's profile.bytes)
-#   dropout      BERT-base's and BART-base's own configs (attention dropout 0.1, layers   320 s
-#                unrolled on a GPU; bf16, 32 rows) with model.attention=auto (XLA's attention
-#                with dropout) and pallas (tfx's Pallas kernels drawing the dropout; BART's
-#                cross attention too since stop 65): OUT/dropout.json, OUT/dropout_bart.json
+#   dropout      BERT-base's, BART-base's and XLNet-base's own configs (attention dropout  450 s
+#                0.1, layers unrolled on a GPU; bf16, 32 rows) with model.attention=auto
+#                (XLA's attention with dropout) and pallas (tfx's Pallas kernels drawing the
+#                dropout; BART's cross attention too since stop 65, XLNet's relative terms as
+#                the kernel's bias since stop 66): OUT/dropout.json, OUT/dropout_bart.json,
+#                OUT/dropout_xlnet.json
 #   finetune     BERT-base's fine-tuning step (tfx.finetune's: a two-class classifier      90 s
 #                pooling [CLS], whose last layer runs at [CLS] alone; 32 rows of 128, bf16,
 #                no dropout): python -m tfx.bench --finetune, its MFU (OUT/finetune.json)
@@ -119,6 +121,7 @@ t5=(--batch 128)
 peer=(--dtype bfloat16 --sizes base --reps 10 --compiles 1 --tfx-override=--config.model.scan_unroll=0)
 finetune=(--config.finetune.batch_size=32 --config.finetune.max_length=128)
 dropout=(--config.train.batch_size=32)
+dropout_xlnet=()  # XLNet's own, after the others'
 check=()
 reductions=()
 bias=()
@@ -135,6 +138,8 @@ if [ -n "${TFX_GPU_TINY:-}" ]; then
   dropout=(--config.train.batch_size=2 --config.data.seq_len=64 --config.model.num_layers=2 --config.model.d_model=64
            --config.model.num_heads=2 --config.model.d_ff=128 --config.data.vocab_size=1024 --steps 2 --warmup 1
            --config.model.num_decoder_layers=1)
+  dropout_xlnet=(--config.model.mem_len=32 --config.model.reuse_len=32 --config.objective.reuse_len=32
+                 --config.objective.perm_size=32 --config.objective.num_predict=12)
 fi
 
 run() {  # run NAME LIMIT_SECONDS COMMAND...
@@ -188,10 +193,13 @@ print(\"ml_collections from\", ml_collections.__file__)'
                    i=$((i + 1)); echo "== XLA_FLAGS=${XLA_FLAGS:-} $flag"
                    XLA_FLAGS="${XLA_FLAGS:-} $flag" "$@" --json "$0/xla_flags_$i.json" || exit
                  done' "$out" "${bench[@]}" --only gpt2_small --skip-depth ;;
-    dropout) run dropout 320 bash -c 'for pair in bert_base:dropout bart_base:dropout_bart; do
-                 "$0" -m tfx.bench --config "configs/${pair%%:*}.py" --sweep model.attention=auto,pallas \
-                   --config.model.dtype=bfloat16 "${@:2}" --json "$1/${pair#*:}.json" || exit
-               done' "$py" "$out" "${dropout[@]}" ;;
+    dropout) run dropout 450 bash -c 'py=$0 out=$1 common=(); shift 2
+               while [ "$1" != -- ]; do common+=("$1"); shift; done; shift  # then XLNet extras
+               for pair in bert_base:dropout bart_base:dropout_bart xlnet_base:dropout_xlnet; do
+                 extra=(); [ "${pair%%:*}" = xlnet_base ] && extra=("$@")
+                 "$py" -m tfx.bench --config "configs/${pair%%:*}.py" --sweep model.attention=auto,pallas \
+                   --config.model.dtype=bfloat16 "${common[@]}" "${extra[@]}" --json "$out/${pair#*:}.json" || exit
+               done' "$py" "$out" "${dropout[@]}" -- "${dropout_xlnet[@]}" ;;
     finetune) run finetune 90 "$py" -m tfx.bench --config configs/bert_base.py --finetune 2 \
                 --config.model.dtype=bfloat16 --config.model.dropout=0.0 --config.model.attention_dropout=0.0 \
                 "${finetune[@]}" --json "$out/finetune.json" ;;

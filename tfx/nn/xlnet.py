@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from tfx import ops
 from tfx.ops import dropout as dropout_ops
 from tfx.ops import hoisting
+from tfx.ops.flash_dropout import fused_dropout_attention
 from tfx.nn.layers import DenseGeneral, Dropout, Mlp, ModelConfig, Norm, add_bias, constrain, take_rows
 
 
@@ -359,8 +360,10 @@ def relative_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_r: jax.Array,
   The content term (q + r_w_bias) . k is the attention's own q . k; the position and segment terms
   (`relative_bias`) are its bias, [b, h, t, s] in the compute dtype (cuDNN's fused attention on a
   GPU reads it and writes its gradient at half the bytes of float32; the softmax stays float32),
-  else XLA's attention with its own backward pass, which also applies attention dropout (no fused
-  kernel here does). A row with no allowed key (the query stream's first token in the factorisation
+  else XLA's attention with its own backward pass. Attention dropout runs in tfx's Pallas kernel
+  with `model.attention=pallas` (`tfx.ops.flash_dropout`: it reads the bias, the mask folded into
+  it, and writes the bias's gradient blockwise; no [b, h, t, s] probabilities), else in XLA's
+  attention, which draws the same keep bits. A row with no allowed key (the query stream's first token in the factorisation
   order, before any memory) gets the mean of V, as XLNet's own softmax over all-masked scores
   gives it: never predicted by tfx's objective, but the model's function is XLNet's.
 
@@ -379,11 +382,11 @@ def relative_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_r: jax.Array,
   bias = (bias * scale).astype(q.dtype)
   q_w = add_bias(q, biases.r_w)
   mask4 = None if mask is None else mask[:, None]  # [b, 1, t, s]
-  if dropout_rate > 0.0:
-    ops.log_choice("xla", f"model.attention_dropout={dropout_rate}: no fused kernel takes XLNet's relative terms "
-                   "with dropout")
-    out = ops.attention.softmax_attention(q_w, k, v, mask4, bias, scale, dropout_rate=dropout_rate,
-                                          seed=dropout_ops.seed(dropout_rng))  # bits of [b, h, t, s]
+  if dropout_rate > 0.0:  # tfx's Pallas kernel (`model.attention=pallas`, the bias carrying the mask), else XLA's
+    out, _ = fused_dropout_attention(q_w, k, v, mask4, bias, scale, dropout_rate, dropout_rng, implementation)
+    if out is None:
+      out = ops.attention.softmax_attention(q_w, k, v, mask4, bias, scale, dropout_rate=dropout_rate,
+                                            seed=dropout_ops.seed(dropout_rng))  # bits of [b, h, t, s]
   else:
     out = ops.dot_product_attention(q_w, k, v, bias=bias, scale=scale, mask=mask4, implementation=implementation)
   if mask is None:

@@ -54,7 +54,15 @@ def unsupported(q: jax.Array, k: jax.Array, mask, bias, *, blocks: tuple[int, ..
     return "it takes no attention bias"
   if isinstance(mask, SegmentMask) and q.shape[1] != k.shape[1]:
     return f"it needs self-attention, got {q.shape[1]} queries over {k.shape[1]} keys"
-  for what, length in (("row", q.shape[1]), ("key row", k.shape[1])):
+  return unfit(q, k, blocks=blocks)
+
+
+def unfit(q: jax.Array, k: jax.Array, *, blocks: tuple[int, ...] = BLOCKS, queries: bool = True) -> str | None:
+  """Why a kernel with these block lengths cannot take q [b, t, h, d] and k [b, s, kv, d] whatever
+  their mask (a short reason), or None: lengths a block divides (`queries=False`: the keys' alone,
+  the caller pads the queries), heads that group, rows and heads that divide over the mesh."""
+  lengths = (("row", q.shape[1]),) if queries else ()
+  for what, length in (*lengths, ("key row", k.shape[1])):
     if block_length(length, blocks) is None:
       return f"the {what} length {length} is not a multiple of {blocks[-1]}"
   if q.shape[2] % k.shape[2]:
@@ -173,7 +181,8 @@ def shards() -> tuple[int, int]:
 
 
 def per_device(kernel, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array, *replicated: jax.Array,
-               offsets: bool = False, key_ids: jax.Array | None = None, zero_padding: bool = True) -> jax.Array:
+               offsets: bool = False, key_ids: jax.Array | None = None, zero_padding: bool = True,
+               scores: jax.Array | None = None) -> jax.Array:
   """`kernel(q, k, v, ids, *replicated)` on each device's shard of the rows and heads
   (`jax.shard_map` over the activations' logical sharding: batch over the data axes, heads over
   `tensor`; `replicated` operands whole on every device) when the current mesh has more than one
@@ -183,7 +192,9 @@ def per_device(kernel, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array,
   attention's keys' segment ids; `ids` are then the queries'), the kernel gets them after `ids`.
   q, k and v may also be a stacked [b, t, h, 3, d] projection, cut over its rows and heads alike,
   or its bias [h, 3, d], cut over the heads (its gradient summed over the row shards).
-  `zero_padding=False`: the kernel gives padding queries zeros (and no gradient) itself.
+  `zero_padding=False`: the kernel gives padding queries zeros (and no gradient) itself. With
+  `scores` [b, h, t, s] (a bias of every row and head on the scores), the kernel gets it after the
+  ids, cut over the rows and heads alike.
 
   JAX's segment-id kernels let padding queries attend padding keys (both segment 0): their outputs
   are zeroed here, as the mask allows them nothing (their zero cotangent also keeps them out of dK
@@ -196,6 +207,7 @@ def per_device(kernel, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array,
   """
   found = _activation_spec()
   ids = tuple(x.astype(jnp.int32) for x in (ids, key_ids) if x is not None)  # [b, t] (, [b, s])
+  ids += () if scores is None else (scores,)  # [b, h, t, s]
 
   def zeroed(q, k, v, *ids_and_replicated):  # [b', t, h', d], ids [b', t]
     extra = ()
@@ -213,7 +225,8 @@ def per_device(kernel, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array,
   from jax.sharding import PartitionSpec  # noqa: PLC0415
 
   _, spec = found  # [b, t, h, d]
-  rows = (PartitionSpec(*spec[:2]),) * len(ids)  # [b, t] (, [b, s])
+  rows = (PartitionSpec(*spec[:2]),) * (len(ids) - (scores is not None))  # [b, t] (, [b, s])
+  rows += () if scores is None else (PartitionSpec(spec[0], spec[2], None, None),)  # [b, h, t, s]
   whole = (PartitionSpec(),) * len(replicated)
   # a stacked projection [b, t, h, 3, d] keeps its slots whole; its bias [h, 3, d] goes with the heads
   stacked = {4: spec, 5: PartitionSpec(*spec[:3], None, spec[3]), 3: PartitionSpec(spec[2], None, spec[3])}

@@ -44,7 +44,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from tfx.ops import dropout, flash, target
+from tfx.ops import dropout, flash, masks, target
 from tfx.ops.dropout import keep_probability
 from tfx.ops.masks import CrossMask, SegmentMask
 
@@ -88,6 +88,7 @@ class _Static:
   interpret: bool
   stacked: bool = False  # q, k and v are slots of one [b, t, h, 3, d] array (`STACKED`)
   biased: bool = False  # and (stacked) their projection's bias [h, 3, d] is added as they are read
+  score_bias: bool = False  # a [b, h, t, s] bias is added to the scaled scores (its gradient returned)
 
   @property
   def threshold(self) -> int:
@@ -104,10 +105,13 @@ def _program_stream(seeds_ref) -> jax.Array:
   return dropout.stream(seed, seeds_ref[1] + pl.program_id(1), seeds_ref[2] + pl.program_id(2))
 
 
-def _scores(q, k, q_ids, k_ids, q0, k0, static: _Static):
-  """f32 [bq, bk] masked scores of a query block starting at q0 over a key block starting at k0,
-  and the positions (query [bq, 1], key [1, bk]) the keep bits are drawn at."""
+def _scores(q, k, q_ids, k_ids, q0, k0, static: _Static, bias=None):
+  """f32 [bq, bk] masked scores of a query block starting at q0 over a key block starting at k0
+  (plus their `bias` block [bq, bk], if any), and the positions (query [bq, 1], key [1, bk]) the
+  keep bits are drawn at."""
   s = _dot(q, k, transpose_b=True) * static.scale  # [bq, bk]
+  if bias is not None:
+    s = s + bias.astype(jnp.float32)
   query = q0 + lax.broadcasted_iota(jnp.int32, (q.shape[0], 1), 0)  # [bq, 1]
   key_pos = k0 + lax.broadcasted_iota(jnp.int32, (1, k.shape[0]), 1)  # [1, bk]
   allowed = q_ids[:, None] == k_ids[None, :]  # [bq, bk]
@@ -128,7 +132,8 @@ def _key_blocks(q0, block_q: int, block_k: int, keys: int, causal: bool):
   return (q0 + block_q + block_k - 1) // block_k if causal else keys // block_k
 
 
-def _forward_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, o_ref, lse_ref, *, static: _Static):
+def _forward_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, sb_ref, o_ref, lse_ref, *,
+                    static: _Static):
   block_q, block_k, s = static.block_q, static.block_k, k_ref.shape[0]
   key = _program_stream(seeds_ref)
   q0 = pl.program_id(0) * block_q
@@ -139,7 +144,8 @@ def _forward_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, o_ref,
     acc, m, l = carry  # [bq, d], [bq], [bq]
     k0 = j * block_k
     k = k_ref[pl.ds(k0, block_k), :]  # [bk, d]
-    scores, query, key_pos = _scores(q, k, q_ids, k_ids_ref[pl.ds(k0, block_k)], q0, k0, static)
+    bias = None if sb_ref is None else sb_ref[:, pl.ds(k0, block_k)]  # [bq, bk]
+    scores, query, key_pos = _scores(q, k, q_ids, k_ids_ref[pl.ds(k0, block_k)], q0, k0, static, bias)
     m_new = jnp.maximum(m, jnp.max(scores, axis=1))
     correction = jnp.exp(m - m_new)  # [bq]
     w = jnp.exp(scores - m_new[:, None])  # [bq, bk] unnormalised probabilities
@@ -162,10 +168,10 @@ def _forward_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, o_ref,
   lse_ref[...] = jnp.where(attends, m + jnp.log(l), jnp.inf)
 
 
-def _recomputed(key, q, k, q_ids, k_ids, lse, q0, k0, keys: int, static: _Static):
+def _recomputed(key, q, k, q_ids, k_ids, lse, q0, k0, keys: int, static: _Static, bias=None):
   """(probabilities p [bq, bk], keep bits) of one block pair, from the forward pass' log-sum-exp;
   `keys`: the row's key count (the keep bits count query * keys + key)."""
-  scores, query, key_pos = _scores(q, k, q_ids, k_ids, q0, k0, static)
+  scores, query, key_pos = _scores(q, k, q_ids, k_ids, q0, k0, static, bias)
   return jnp.exp(scores - lse[:, None]), dropout.kept(key, query, key_pos, keys, static.threshold)
 
 
@@ -176,8 +182,8 @@ def _grad_scores(p, kept, do, v, delta, static: _Static):
   return dropped, p * (dp - delta[:, None])
 
 
-def _dkv_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, do_ref, lse_ref, delta_ref, *out_refs,
-                static: _Static):
+def _dkv_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, sb_ref, do_ref, lse_ref, delta_ref,
+                *out_refs, static: _Static):
   """dK and dV of a key block: into dk_ref and dv_ref, or (stacked) into the k and v slots of one
   [block, 2, d] block of the stacked gradient."""
   block_q, block_k, t, s = static.back_q, static.back_k, q_ref.shape[0], k_ids_ref.shape[0]
@@ -190,8 +196,9 @@ def _dkv_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, do_ref, ls
     dk, dv = carry  # [bk, d] f32 each
     q0 = i * block_q
     q, do = q_ref[pl.ds(q0, block_q), :], do_ref[pl.ds(q0, block_q), :]  # [bq, d] each
+    bias = None if sb_ref is None else sb_ref[pl.ds(q0, block_q), :]  # [bq, bk]
     p, kept = _recomputed(key, q, k, q_ids_ref[pl.ds(q0, block_q)], k_ids, lse_ref[pl.ds(q0, block_q)], q0, k0, s,
-                          static)
+                          static, bias)
     dropped, ds = _grad_scores(p, kept, do, v, delta_ref[pl.ds(q0, block_q)], static)
     dv = dv + _dot(dropped.astype(do.dtype), do, transpose_a=True)
     dk = dk + _dot(ds.astype(q.dtype), q, transpose_a=True)
@@ -209,11 +216,12 @@ def _dkv_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, do_ref, ls
     out_refs[1][...] = dv.astype(out_refs[1].dtype)
 
 
-def _dq_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, do_ref, lse_ref, delta_ref, *refs,
+def _dq_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, sb_ref, do_ref, lse_ref, delta_ref, *refs,
                static: _Static):
   """dQ of a query block into its output ref (the last; stacked, a buffer aliased to the stacked
-  gradient comes before it and is not read)."""
-  dq_ref = refs[-1]
+  gradient comes before it and is not read), and with a score bias its gradient, the scores' (the
+  outputs dQ, d bias)."""
+  dq_ref, dsb_ref = refs if static.score_bias else (refs[-1], None)
   block_q, block_k, s = static.back_q, static.back_k, k_ref.shape[0]
   key = _program_stream(seeds_ref)
   q0 = pl.program_id(0) * block_q
@@ -223,12 +231,21 @@ def _dq_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, do_ref, lse
   def body(j, dq):
     k0 = j * block_k
     k, v = k_ref[pl.ds(k0, block_k), :], v_ref[pl.ds(k0, block_k), :]  # [bk, d] each
-    p, kept = _recomputed(key, q, k, q_ids, k_ids_ref[pl.ds(k0, block_k)], lse, q0, k0, s, static)
+    bias = None if sb_ref is None else sb_ref[:, pl.ds(k0, block_k)]  # [bq, bk]
+    p, kept = _recomputed(key, q, k, q_ids, k_ids_ref[pl.ds(k0, block_k)], lse, q0, k0, s, static, bias)
     _, ds = _grad_scores(p, kept, do, v, delta, static)
+    if dsb_ref is not None:  # the scores' gradient is the bias's
+      dsb_ref[:, pl.ds(k0, block_k)] = ds.astype(dsb_ref.dtype)
     return dq + _dot(ds.astype(k.dtype), k)
+
+  def masked(j, carry):  # causal: the key blocks after the queries' get no gradient
+    dsb_ref[:, pl.ds(j * block_k, block_k)] = jnp.zeros((block_q, block_k), dsb_ref.dtype)
+    return carry
 
   blocks = _key_blocks(q0, block_q, block_k, s, static.causal)
   dq = lax.fori_loop(0, blocks, body, jnp.zeros(q.shape, jnp.float32))
+  if dsb_ref is not None and static.causal:
+    lax.fori_loop(blocks, s // block_k, masked, 0)
   dq_ref[...] = (dq * static.scale).astype(dq_ref.dtype)
 
 
@@ -250,11 +267,14 @@ class _Biased:
 
 def _with_biases(kernel, static: _Static):
   """`kernel(*refs, static=static)`, its q, k and v refs reading their biases (`static.biased`:
-  the three bias refs come right after them, and the kernel does not see them)."""
+  the three bias refs come right after them, and the kernel does not see them), and None for the
+  score bias' ref after the ids where there is none."""
   def call(seeds_ref, q_ref, k_ref, v_ref, *refs):
     if static.biased:
       (bq, bk, bv), refs = refs[:3], refs[3:]
       q_ref, k_ref, v_ref = _Biased(q_ref, bq), _Biased(k_ref, bk), _Biased(v_ref, bv)
+    if not static.score_bias:
+      refs = (*refs[:2], None, *refs[2:])  # (q_ids, k_ids, no score bias, ...)
     return kernel(seeds_ref, q_ref, k_ref, v_ref, *refs, static=static)
   call.__name__ = kernel.__name__
   return call
@@ -268,7 +288,8 @@ def _call(kernel, static: _Static, block: int, out_shape: tuple, blocked: tuple[
   positions i * block..) or whole along its length (t queries or s keys), per (row, head):
   [b, t|s, h, d] activations, [b, t|s] segment ids, [b, h, t] softmax statistics. `slots` (None
   each, or for a stacked [b, t, h, 3, d] array (first slot, slots)) picks an array's slots: one is
-  a [.., d] block, two a [.., 2, d] one. `aliases`: pallas_call's input_output_aliases, as pairs
+  a [.., d] block, two a [.., 2, d] one; `SCORE_ROWS` / `SCORE_COLUMNS` mark a [b, h, t, s] array
+  blocked over its queries / its keys. `aliases`: pallas_call's input_output_aliases, as pairs
   (operand index, the seeds not counted; output index).
 
   Under jit, as a call JAX can drop: a bare pallas_call survives dead-code elimination, and under
@@ -278,6 +299,10 @@ def _call(kernel, static: _Static, block: int, out_shape: tuple, blocked: tuple[
   d = operands[0].shape[-1]
 
   def spec(shape: tuple[int, ...], blocked: bool, slot) -> pl.BlockSpec:
+    if slot in (SCORE_ROWS, SCORE_COLUMNS):  # [b, h, t, s] scores, blocked over the queries or the keys
+      rows = slot == SCORE_ROWS
+      return pl.BlockSpec((None, None, block if rows else shape[2], shape[3] if rows else block),
+                          lambda i, j, k: (j, k, i if rows else 0, 0 if rows else i))
     length = block if blocked else shape[2 if len(shape) == 3 else 1]
     if slot is not None and len(shape) == 3:  # a stacked projection's bias [h, 3, d]: this head's slot
       return pl.BlockSpec((None, None, d), lambda i, j, k: (k, slot[0], 0))
@@ -317,11 +342,15 @@ def _slot(name: str, width: int = 1) -> tuple[int, int]:
   return STACKED.index(name), width
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attend(q, k, v, q_ids, k_ids, seeds, static: _Static):
+# `_call`'s slots of a [b, h, t, s] score bias (or its gradient): blocked over the queries or the keys.
+SCORE_ROWS, SCORE_COLUMNS = ("scores", 2), ("scores", 3)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _attend(q, k, v, q_ids, k_ids, score_bias, seeds, static: _Static):
   """Stacked (`static.stacked`): q is the [b, t, h, 3, d] array, k its bias [h, 3, d] float32
-  (`static.biased`) or None, and v None."""
-  return _attend_fwd(q, k, v, q_ids, k_ids, seeds, static)[0]
+  (`static.biased`) or None, and v None. `score_bias`: [b, h, t, s] or None."""
+  return _attend_fwd(q, k, v, q_ids, k_ids, score_bias, seeds, static)[0]
 
 
 def _activations(q, k, v, static: _Static):
@@ -335,54 +364,65 @@ def _activations(q, k, v, static: _Static):
   return (q, q, q), slots
 
 
-def _attend_fwd(q, k, v, q_ids, k_ids, seeds, static: _Static):
+def _attend_fwd(q, k, v, q_ids, k_ids, score_bias, seeds, static: _Static):
   b, t, h = q.shape[:3]
   d = q.shape[-1]
   stats = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
   qkv, slots = _activations(q, k, v, static)
-  # blocked: outputs (o, lse), then inputs (q, k, v[, their biases], q_ids, k_ids)
+  scores = () if score_bias is None else (score_bias,)
+  # blocked: outputs (o, lse), then inputs (q, k, v[, their biases], q_ids, k_ids[, score bias])
   out, lse = _call(_forward_kernel, static, static.block_q, (jax.ShapeDtypeStruct((b, t, h, d), q.dtype), stats),
-                   (True, True, True, False, False, *(False,) * (len(qkv) - 3), False, False),
-                   (None, None, *slots, None, None), (), seeds, *qkv, q_ids, k_ids)  # [b, t, h, d], [b, h, t]
+                   (True, True, True, False, False, *(False,) * (len(qkv) - 3), False, False, *(True,) * len(scores)),
+                   (None, None, *slots, None, None, *(SCORE_ROWS,) * len(scores)), (), seeds, *qkv, q_ids, k_ids,
+                   *scores)  # [b, t, h, d], [b, h, t]
   out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_out")
-  return out, (q, k, v, q_ids, k_ids, seeds, out, lse)
+  return out, (q, k, v, q_ids, k_ids, score_bias, seeds, out, lse)
 
 
 def _attend_bwd(static: _Static, residuals, d_out):
-  q, k, v, q_ids, k_ids, seeds, out, lse = residuals
+  q, k, v, q_ids, k_ids, score_bias, seeds, out, lse = residuals
   delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))  # [b, h, t]
   d_out = d_out.astype(q.dtype)
   qkv, slots = _activations(q, k, v, static)
-  operands = (*qkv, q_ids, k_ids, d_out, lse, delta)
-  in_slots = (*slots, None, None, None, None, None)
+  scores = () if score_bias is None else (score_bias,)
+  n = len(scores)
+  operands = (*qkv, q_ids, k_ids, *scores, d_out, lse, delta)
   biases = (False,) * (len(qkv) - 3)  # never blocked
   like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-  # dK, dV: blocked over keys; every query read. dQ: blocked over queries; every key read.
-  dkv_blocked = (True, False, True, True, *biases, False, False, False, False, False)
-  dq_blocked = (True, True, False, False, *biases, False, False, True, True, True)
+  # dK, dV: blocked over keys; every query read. dQ (and d score bias): blocked over queries; every key read.
+  dkv_in = (False, True, True, *biases, False, False, *(True,) * n, False, False, False)
+  dq_in = (True, False, False, *biases, False, False, *(True,) * n, True, True, True)
+  dkv_slots = (*slots, None, None, *(SCORE_COLUMNS,) * n, None, None, None)
+  dq_slots = (*slots, None, None, *(SCORE_ROWS,) * n, None, None, None)
   if not static.stacked:
-    d_k, d_v = _call(_dkv_kernel, static, static.back_k, (like(k), like(v)), (True, *dkv_blocked),
-                     (None, None, *in_slots), (), seeds, *operands)
-    (d_q,) = _call(_dq_kernel, static, static.back_q, (like(q),), dq_blocked, (None, *in_slots), (), seeds,
-                   *operands)
-    return d_q, d_k, d_v, None, None, None
+    d_k, d_v = _call(_dkv_kernel, static, static.back_k, (like(k), like(v)), (True, True, *dkv_in),
+                     (None, None, *dkv_slots), (), seeds, *operands)
+    d_q, *d_scores = _call(_dq_kernel, static, static.back_q, (like(q), *map(like, scores)),
+                           (True, *(True,) * n, *dq_in), (None, *(SCORE_ROWS,) * n, *dq_slots), (), seeds,
+                           *operands)
+    return d_q, d_k, d_v, None, None, (d_scores[0] if n else None), None
   # Stacked: the dK / dV kernel writes the k and v slots of the [b, t, h, 3, d] gradient, and the dQ
   # kernel its q slot in the same buffer (aliased), so that no copy stacks the three gradients.
-  (d_kv,) = _call(_dkv_kernel, static, static.back_k, (like(q),), dkv_blocked, (_slot("k", 2), *in_slots), (),
+  (d_kv,) = _call(_dkv_kernel, static, static.back_k, (like(q),), (True, *dkv_in), (_slot("k", 2), *dkv_slots), (),
                   seeds, *operands)
-  (d_qkv,) = _call(_dq_kernel, static, static.back_q, (like(q),), (*dq_blocked, True),
-                   (_slot("q"), *in_slots, _slot("q")), ((len(operands), 0),), seeds, *operands, d_kv)
+  (d_qkv,) = _call(_dq_kernel, static, static.back_q, (like(q),), (True, *dq_in, True),
+                   (_slot("q"), *dq_slots, _slot("q")), ((len(operands), 0),), seeds, *operands, d_kv)
   # the bias's gradient: the projection's summed over the rows, in float32 (as `add_bias`'s)
   d_bias = jnp.sum(d_qkv.astype(jnp.float32), axis=(0, 1)).astype(k.dtype) if static.biased else None
-  return d_qkv, d_bias, None, None, None, None
+  return d_qkv, d_bias, None, None, None, None, None
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def unsupported(q: jax.Array, k: jax.Array, mask, bias) -> str | None:
-  """Why these kernels cannot compute this attention (a short reason), or None if they can."""
-  refused = flash.unsupported(q, k, mask, bias, cross=True)
+  """Why these kernels cannot compute this attention (a short reason), or None if they can: a
+  family's segment-id mask without a bias, or a bias of every row and head [b, h, t, s] (XLNet's
+  relative terms) beside any mask, which the bias then carries (`score_bias`)."""
+  if bias is None or isinstance(mask, (SegmentMask, CrossMask)):
+    refused = flash.unsupported(q, k, mask, bias, cross=True)
+  else:
+    refused = _bias_unsupported(q, k, masks.dense_mask(mask), bias)
   if refused is not None:
     return refused
   d = q.shape[-1]
@@ -391,10 +431,31 @@ def unsupported(q: jax.Array, k: jax.Array, mask, bias) -> str | None:
   return None
 
 
+def _bias_unsupported(q: jax.Array, k: jax.Array, mask: jax.Array | None, bias: jax.Array) -> str | None:
+  b, t, h = q.shape[:3]
+  s = k.shape[1]
+  if tuple(bias.shape) != (b, h, t, s):
+    return f"it takes a bias of every row and head [b, h, t, s] = {(b, h, t, s)}, got {tuple(bias.shape)}"
+  if jnp.dtype(bias.dtype) == jnp.float16:
+    return "a float16 bias cannot hold a masked score"
+  if mask is not None and (mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2:] != (t, s)
+                           or mask.shape[0] not in (1, b)):
+    return f"its dense mask must be [b|1, 1, t, s] beside a bias, got {tuple(mask.shape)}"
+  return flash.unfit(q, k, queries=False)
+
+
+def score_bias(bias: jax.Array, mask: jax.Array | None) -> jax.Array:
+  """The bias [b, h, t, s] `dropout_flash_attention` adds to the scores, carrying a dense mask
+  [b|1, 1|h, t, s] (True = may attend): where the mask is False, a score no query keeps."""
+  if mask is None:
+    return bias
+  return jnp.where(mask, bias, jnp.asarray(MASK_VALUE, bias.dtype))
+
+
 def dropout_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool,
                             scale: float, rate: float, seed: jax.Array, key_segment_ids: jax.Array | None = None,
                             qkv: jax.Array | None = None, qkv_bias: jax.Array | None = None,
-                            interpret: bool | None = None) -> jax.Array:
+                            scores: jax.Array | None = None, interpret: bool | None = None) -> jax.Array:
   """Attention of each token over its own segment (and, when `causal`, at or before it) with
   dropout at `rate` on the probabilities; padding (segment 0) queries give zeros. With
   `key_segment_ids`, a cross attention: each query over the keys of its own segment.
@@ -416,6 +477,9 @@ def dropout_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_id
     qkv_bias: that projection's bias [h, 3, d] (float32), not yet added to `qkv`: the kernels add
       it as they read q, k and v (so that the projection's matmul writes `qkv` and nothing adds
       the bias in a pass of its own), or None.
+    scores: [b, h, t, s] added to the scaled scores (in q's dtype or float32; XLNet's relative
+      terms, a dense mask folded in by `score_bias`), its gradient returned; or None. A cross
+      attention with it takes any number of queries (padded to a block here).
     interpret: run Pallas' interpreter; default: off a GPU.
 
   Returns:
@@ -428,7 +492,17 @@ def dropout_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_id
     raise ValueError("a cross attention (key_segment_ids) is not causal")
   b, t, h, d = q.shape
   s = k.shape[1]
-  block_q, block_k = flash.block_length(t), flash.block_length(s)
+  if scores is not None and (qkv is not None or tuple(scores.shape) != (b, h, t, s)):
+    raise ValueError(f"scores must be a bias [b, h, t, s] = {(b, h, t, s)} beside separate q, k and v, got "
+                     f"{tuple(scores.shape)}{' and a stacked projection' if qkv is not None else ''}")
+  length = t
+  if scores is not None and key_segment_ids is not None and flash.block_length(t) is None:
+    # queries padded to a block (XLNet's prediction slots): a padding query (id 0) gives zeros, no gradient
+    length = -(-t // flash.BLOCKS[-1]) * flash.BLOCKS[-1]
+    q = jnp.pad(q, ((0, 0), (0, length - t), (0, 0), (0, 0)))  # [b, length, h, d]
+    segment_ids = jnp.pad(segment_ids, ((0, 0), (0, length - t)))  # [b, length]
+    scores = jnp.pad(scores, ((0, 0), (0, 0), (0, length - t), (0, 0)))  # [b, h, length, s]
+  block_q, block_k = flash.block_length(length), flash.block_length(s)
   if block_q is None or block_k is None:
     raise ValueError(f"flash attention needs query and key lengths that are multiples of {flash.BLOCKS[-1]}, "
                      f"got {t} and {s}")
@@ -447,18 +521,21 @@ def dropout_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_id
   static = _Static(scale=float(scale), causal=causal, rate=float(rate), block_q=block_q, block_k=block_k,
                    back_q=min(block_q, flash.BACKWARD_BLOCK), back_k=min(block_k, flash.BACKWARD_BLOCK),
                    interpret=target.backend() != "gpu" if interpret is None else interpret, stacked=stacked,
-                   biased=qkv_bias is not None)
+                   biased=qkv_bias is not None, score_bias=scores is not None)
   seed = lax.convert_element_type(seed, jnp.int32)  # the bits travel as int32 (the kernels' scalar operands)
 
-  def kernel(q, k, v, q_ids, k_ids, seed, first_row, first_head):  # one device's rows and heads: [b', t, h', (3,) d]
+  def kernel(q, k, v, q_ids, k_ids, *rest):  # one device's rows and heads: [b', t, h', (3,) d]
+    *bias, seed, first_row, first_head = rest  # bias: ([b', h', t, s],) or ()
     seeds = jnp.stack([seed, first_row, first_head, jnp.zeros((), jnp.int32)])  # [4] int32
     if stacked:  # q is the stacked projection, k its bias or the projection again
-      return _attend(q, k if static.biased else None, None, q_ids, k_ids, seeds, static)  # [b', t, h', d]
-    return _attend(q, k, v, q_ids, k_ids, seeds, static)  # [b', t, h', d]
+      return _attend(q, k if static.biased else None, None, q_ids, k_ids, None, seeds, static)  # [b', t, h', d]
+    return _attend(q, k, v, q_ids, k_ids, bias[0] if bias else None, seeds, static)  # [b', t, h', d]
 
   key_ids = segment_ids if key_segment_ids is None else key_segment_ids
   arrays = (qkv, qkv if qkv_bias is None else qkv_bias, qkv) if stacked else (q, k, v)
-  return flash.per_device(kernel, *arrays, segment_ids, seed, offsets=True, key_ids=key_ids, zero_padding=False)
+  out = flash.per_device(kernel, *arrays, segment_ids, seed, offsets=True, key_ids=key_ids, zero_padding=False,
+                         scores=scores)  # [b, length, h, d]
+  return out[:, :t] if length != t else out
 
 
 def fused_dropout_attention(q, k, v, mask, bias, scale: float, rate: float, rng: jax.Array,
@@ -466,9 +543,11 @@ def fused_dropout_attention(q, k, v, mask, bias, scale: float, rate: float, rng:
   """(output, why): these kernels' attention with dropout when `implementation` picks the Pallas
   kernel here (`tfx.ops.attention.choose_implementation`) and they can take the inputs; else (None,
   why not), and the caller runs XLA's attention with dropout. Either way the choice is logged
-  (`tfx.ops.attention.log_choice`: 'pallas' or 'xla', with the reason). `qkv`: (the stacked
-  projection q, k and v are the slots of, its bias or None), a self-attention's
-  (`dropout_flash_attention`), or None."""
+  (`tfx.ops.attention.log_choice`: 'pallas' or 'xla', with the reason). The kernels take a
+  `SegmentMask` or `CrossMask` without a bias, or a bias of every row and head [b, h, t, s] (in
+  the scores' scale) beside any mask, which the bias then carries (`score_bias`; XLNet's relative
+  terms). `qkv`: (the stacked projection q, k and v are the slots of, its bias or None), a
+  self-attention's (`dropout_flash_attention`), or None."""
   from tfx.ops import attention  # noqa: PLC0415  (attention imports this module's siblings)
 
   impl, why = attention.choose_implementation(implementation, q.dtype, q.shape[-1])
@@ -476,10 +555,15 @@ def fused_dropout_attention(q, k, v, mask, bias, scale: float, rate: float, rng:
   if impl == "pallas" and refused is None:
     if isinstance(mask, CrossMask):
       ids = {"segment_ids": mask.q_segment_ids, "causal": False, "key_segment_ids": mask.k_segment_ids}
-    else:
+    elif isinstance(mask, SegmentMask):
       ids = {"segment_ids": mask.segment_ids, "causal": mask.causal}
       if qkv is not None:
         ids.update(qkv=qkv[0], qkv_bias=qkv[1])
+    else:  # a bias of every row and head (XLNet's relative terms), carrying a dense mask
+      ones = lambda x: jnp.ones(x.shape[:2], jnp.int32)  # [b, t] or [b, s]: one segment
+      ids = {"segment_ids": ones(q), "causal": False, "key_segment_ids": ones(k),
+             "scores": score_bias(bias, masks.dense_mask(mask))}
+      why = "GPU, a bias of every row and head carrying the mask"
     out = dropout_flash_attention(q, k, v, **ids, scale=scale, rate=rate, seed=dropout.seed(rng))
     why = f"{why}; dropout {rate} drawn in the kernel"
   else:
