@@ -140,16 +140,16 @@ def test_a_dropout_kernel_drawing_other_bits_fails(cases, monkeypatch):
   """A dropout kernel whose keep bits differ from what the reference draws (here: each program
   drawing the stream of the row and head after its own) fails every dropout case; without a GPU
   (where no kernel draws those bits) the dropout cases are skipped."""
-  from tfx.ops import flash_dropout
+  from tfx.ops import flash_dropout_kernels as kernels
 
   dropout = [c for c in cases if c.dropout]
   assert check_attention.run_checks(dropout, ("pallas", "xla")) == []
   monkeypatch.setattr(attn, "_on_gpu", lambda: True)
-  stream = flash_dropout._program_stream
-  monkeypatch.setattr(flash_dropout, "_program_stream", lambda seeds_ref: stream(seeds_ref) + jnp.uint32(1))
-  flash_dropout._call.clear_cache()  # the kernels traced before the patch
+  stream = kernels.program_stream
+  monkeypatch.setattr(kernels, "program_stream", lambda seeds_ref: stream(seeds_ref) + jnp.uint32(1))
+  kernels.call.clear_cache()  # the kernels traced before the patch
   try:
     results = check_attention.run_checks(dropout, ("pallas",))
   finally:
-    flash_dropout._call.clear_cache()
+    kernels.call.clear_cache()
   assert not any(r["ok"] for r in results) and all(r["out"] > 0.05 for r in results), results

@@ -23,6 +23,7 @@ from tfx.nn import attention as nn_attention
 from tfx.ops import attention as attn
 from tfx.ops import dropout
 from tfx.ops import flash_dropout as fd
+from tfx.ops import flash_dropout_kernels as fdk
 
 
 reference = fd.reference_attention
@@ -237,9 +238,9 @@ def test_the_draw_is_the_same_for_every_block_size():
   for causal, k_ids, s, sb, blocks in cases.values():
     results = []
     for block_q, block_k, back_q, back_k in blocks:
-      static = fd._Static(scale=0.25, causal=causal, rate=0.2, block_q=block_q, block_k=block_k, back_q=back_q,
+      static = fdk.Static(scale=0.25, causal=causal, rate=0.2, block_q=block_q, block_k=block_k, back_q=back_q,
                           back_k=back_k, interpret=True, score_bias=sb is not None)
-      attend = lambda q, k, v, sb, static=static, k_ids=k_ids: fd._attend(q, k, v, seg, k_ids, sb, seeds, static)
+      attend = lambda q, k, v, sb, static=static, k_ids=k_ids: fdk.attend(q, k, v, seg, k_ids, sb, seeds, static)
       args = (q, k[:, :s], v[:, :s], sb)
       grads = jax.grad(lambda *a: jnp.sum(attend(*a) ** 2), argnums=(0, 1, 2, 3) if sb is not None else (0, 1, 2))
       results.append([attend(*args), *grads(*args)])
