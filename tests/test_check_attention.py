@@ -23,8 +23,8 @@ def test_cases_cover_the_masks_of_every_family(cases):
   (prefix LM, both XLNet streams, cross attention), T5's bias beside a packed mask and beside rows'
   lengths, XLNet's terms as a bias per row; the query stream has rows with no key; a packed row and
   rows' lengths at an odd length; packed rows as runs for cuDNN's packed layout, fitting it or not;
-  attention dropout on self-attention's segment ids, on a cross attention's ids and on XLNet's query
-  stream (a bias per row carrying the mask)."""
+  attention dropout on self-attention's segment ids, on a cross attention's ids and on the query
+  stream (its dense mask; XLNet's: a bias per row carrying the mask)."""
   names = [c.name for c in cases]
   assert names == ["causal_packed", "causal_padded", "bidirectional_padded", "grouped_query_causal",
                    "causal_packed_runs", "bidirectional_padded_runs", "grouped_query_causal_runs",
@@ -32,8 +32,9 @@ def test_cases_cover_the_masks_of_every_family(cases):
                    "two_stream_content", "two_stream_query", "cross", "biased_packed", "biased_lengths",
                    "biased_causal_lengths", "biased_two_stream", "cross_lengths", "causal_padded_odd",
                    "biased_causal_lengths_odd", "causal_packed_dropout", "bidirectional_padded_dropout",
-                   "grouped_query_causal_dropout", "cross_dropout", "biased_two_stream_dropout"]
-  assert [c.dropout for c in cases if c.dropout] == [0.1, 0.1, 0.3, 0.1, 0.1]
+                   "grouped_query_causal_dropout", "cross_dropout", "two_stream_query_dropout",
+                   "biased_two_stream_dropout"]
+  assert [c.dropout for c in cases if c.dropout] == [0.1, 0.1, 0.3, 0.1, 0.1, 0.1]
   by_name = {c.name: c for c in cases}
   assert [c.name for c in cases if c.bias is not None] == ["biased_packed", "biased_lengths", "biased_causal_lengths",
                                                            "biased_two_stream", "biased_causal_lengths_odd",
@@ -44,6 +45,7 @@ def test_cases_cover_the_masks_of_every_family(cases):
   assert by_name["biased_two_stream"].bias.shape == (2, 4, 32, 32)
   slots = by_name["biased_two_stream_dropout"]
   assert slots.bias.shape == (2, 4, 21, 32) and slots.mask.shape == (2, 1, 21, 32) and slots.k.shape[1] == 32
+  assert bool(jnp.all(by_name["two_stream_query_dropout"].mask == slots.mask))
   lengths = by_name["biased_causal_lengths"].mask
   assert isinstance(lengths, attn.LengthMask) and lengths.causal and lengths.q_lengths.tolist() == [24, 2]
   assert by_name["cross_lengths"].mask.shape == (32, 16)
@@ -79,6 +81,7 @@ def test_every_kernel_matches_the_reference(cases, monkeypatch):
   assert ran["cross_dropout", "pallas"] == "pallas (GPU, segment ids; dropout 0.1 drawn in the kernel)"
   assert ran["biased_two_stream_dropout", "pallas"] == ("pallas (GPU, a bias of every row and head carrying the mask; "
                                                         "dropout 0.1 drawn in the kernel)")
+  assert ran["two_stream_query_dropout", "pallas"] == "pallas (GPU, a dense mask; dropout 0.1 drawn in the kernel)"
   json.dumps(results)
 
 

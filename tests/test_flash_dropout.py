@@ -120,6 +120,42 @@ def test_cross_attention_kernel_is_xla_attention_dropping_the_same_scores():
   assert np.any(np.asarray(d_v)[0, :10])
 
 
+def test_a_dense_mask_is_read_beside_the_scores(monkeypatch):
+  """The two-stream encoder's form: 21 query-stream slots (padded to a block in the kernel) over 48
+  keys under a permutation's dense mask [b, 1, t, s] and no bias, with a slot that has no key, as
+  `fused_dropout_attention` sends it (the mask read block by block, every head's): the output and
+  q, k, v gradients equal XLA's attention with that mask dropping the same scores; the keyless slot
+  gives zeros and no gradient."""
+  monkeypatch.setattr(attn, "_on_gpu", lambda: True)
+  rng = np.random.default_rng(23)
+  b, t, s, h, d = 2, 21, 48, 2, 16
+  q = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(b, s, h, d)), jnp.float32) for _ in range(2))
+  mask = jnp.asarray(rng.random((b, 1, t, s)) < 0.6).at[1, 0, 7].set(False)  # slot 7 of row 1: no key
+  cot = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+  key, rate = jax.random.key(9), 0.2
+  chosen = []
+  kernel = lambda q, k, v: _logged(chosen, fd.fused_dropout_attention(q, k, v, mask, None, 0.25, rate, key, "pallas"))
+  xla = lambda q, k, v: attn.softmax_attention(q, k, v, mask, None, 0.25, dropout_rate=rate, seed=dropout.seed(key))
+  grads = lambda fn: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(fn(*a) * cot), argnums=(0, 1, 2)))
+
+  out = jax.jit(kernel)(q, k, v)
+  assert chosen[0] == "GPU, a dense mask; dropout 0.2 drawn in the kernel"
+  np.testing.assert_allclose(out, xla(q, k, v), atol=2e-5, rtol=2e-5)
+  assert not np.any(np.asarray(out)[1, 7])
+  (got_loss, got), (want_loss, want) = grads(kernel)(q, k, v), grads(xla)(q, k, v)
+  np.testing.assert_allclose(got_loss, want_loss, atol=1e-4)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5)
+  assert not np.any(np.asarray(got[0])[1, 7])
+
+
+def _logged(chosen: list, result):
+  out, why = result
+  chosen.append(why)
+  return out
+
+
 @pytest.mark.parametrize("form", ["relative_slots", "causal_packed"])
 def test_a_bias_of_every_row_and_head_carries_the_mask(form):
   """A bias [b, h, t, s] on the scores, beside the mask it carries (`fd.score_bias`): XLNet's form
@@ -222,8 +258,8 @@ def test_the_draw_is_the_same_for_every_block_size():
   """The forward and backward kernels at 16-, 32- and 64-token blocks give the same output and
   gradients (bitwise for the output of blocks that see the same keys in the same order: compared
   to float32 rounding here), as the keep bits come from global positions, not from blocks; so do
-  a cross attention's (64 queries over 32 keys) with query and key blocks of different lengths, and
-  with a bias on the scores (theirs, and its gradient, the same too)."""
+  a cross attention's (64 queries over 32 keys) with query and key blocks of different lengths,
+  with a bias on the scores (theirs, and its gradient, the same too) and with a dense mask."""
   rng = np.random.default_rng(11)
   seg = jnp.asarray(random_packed(rng, 2, 64, max_docs=3, pad=6)[0])
   kv_seg = jnp.asarray(random_packed(rng, 2, 32, max_docs=3, pad=4)[0])
@@ -234,13 +270,17 @@ def test_the_draw_is_the_same_for_every_block_size():
       "causal": (True, seg, 64, None, [(16, 16, 16, 16), (32, 32, 32, 32), (64, 64, 64, 64)]),
       "cross": (False, kv_seg, 32, None, [(16, 16, 16, 16), (64, 32, 32, 16), (32, 16, 16, 32)]),
       "cross_biased": (False, kv_seg, 32, bias, [(16, 16, 16, 16), (64, 32, 32, 16), (32, 16, 16, 32)]),
+      "cross_masked": (False, kv_seg, 32, None, [(16, 16, 16, 16), (64, 32, 32, 16), (32, 16, 16, 32)]),
   }
-  for causal, k_ids, s, sb, blocks in cases.values():
+  dense = jnp.asarray(rng.random((2, 64, 32)) < 0.7, jnp.int8)
+  for name, (causal, k_ids, s, sb, blocks) in cases.items():
     results = []
+    mask = dense if name == "cross_masked" else None
     for block_q, block_k, back_q, back_k in blocks:
       static = fdk.Static(scale=0.25, causal=causal, rate=0.2, block_q=block_q, block_k=block_k, back_q=back_q,
-                          back_k=back_k, interpret=True, score_bias=sb is not None)
-      attend = lambda q, k, v, sb, static=static, k_ids=k_ids: fdk.attend(q, k, v, seg, k_ids, sb, seeds, static)
+                          back_k=back_k, interpret=True, score_bias=sb is not None, dense_mask=mask is not None)
+      attend = lambda q, k, v, sb, static=static, k_ids=k_ids, mask=mask: fdk.attend(q, k, v, seg, k_ids, sb, mask,
+                                                                                      seeds, static)
       args = (q, k[:, :s], v[:, :s], sb)
       grads = jax.grad(lambda *a: jnp.sum(attend(*a) ** 2), argnums=(0, 1, 2, 3) if sb is not None else (0, 1, 2))
       results.append([attend(*args), *grads(*args)])
@@ -274,13 +314,17 @@ def biased(q, k, v, s):  # 27 queries (padded to a block) over 16 keys, a bias o
   return fd.dropout_flash_attention(q[:, :27], k[:, :16], v[:, :16], jnp.ones((4, 27), jnp.int32), causal=False,
                                     scale=0.25, rate=0.3, seed=seed, key_segment_ids=jnp.ones((4, 16), jnp.int32),
                                     scores=fd.score_bias(score_bias, dense))
+def masked(q, k, v, s):  # the same queries over 16 keys under the dense mask alone, every head's
+  return fd.dropout_flash_attention(q[:, :27], k[:, :16], v[:, :16], jnp.ones((4, 27), jnp.int32), causal=False,
+                                    scale=0.25, rate=0.3, seed=seed, key_segment_ids=jnp.ones((4, 16), jnp.int32),
+                                    mask=dense[:, 0])
 def stacked(q, k, v, s):  # slots k, v, q, and a bias [h, 3, d] taken from row 0 (its gradient: every shard's)
   qkv = jnp.stack([k, v, q], axis=3)
   bias = qkv[0, 0] * 0.5
   return fd.dropout_flash_attention(q, k, v, s, causal=True, scale=0.25, rate=0.3, seed=seed, qkv=qkv - bias,
                                     qkv_bias=bias)
 diffs, gathers = [], 0
-for fn in (attend, cross, biased, stacked):
+for fn in (attend, cross, biased, masked, stacked):
   loss = lambda q, k, v, s: jnp.sum(fn(q, k, v, s) ** 2)
   want = [fn(q, k, v, seg), *jax.grad(loss, argnums=(0, 1, 2))(q, k, v, seg)]
   with parallel.context(mesh):
@@ -298,8 +342,8 @@ def test_a_mesh_draws_the_one_device_mask(tmp_path):
   """On 8 fake devices (rows over 2x2 data x FSDP, heads over 2 tensor shards) each device draws
   the keep bits of its global rows and heads, in a causal self-attention (q, k and v apart, and as
   a stacked projection with its bias, whose gradient sums every row shard's), in a cross
-  attention (32 queries over 16 keys) and in one with a bias of every row and head (27 queries,
-  cut with the rows and heads): the output equals one device's bitwise (a shard drawing another's
+  attention (32 queries over 16 keys), in one with a bias of every row and head (27 queries, cut
+  with the rows and heads) and in one with a dense mask (cut with the rows): the output equals one device's bitwise (a shard drawing another's
   bits would be off by whole probabilities), the gradients to float32 rounding (delta = rowsum(dO
   * O) is summed by XLA in another order on a shard), with no all-gather in the forward pass."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
@@ -375,9 +419,10 @@ def test_a_model_draws_its_dropout_in_the_kernel(monkeypatch, family):
 
 
 def test_what_the_kernel_refuses_goes_to_xla(monkeypatch):
-  """Off a GPU, for 'auto', a dense mask without a bias of every row and head, a bias beside a
-  family's mask or an odd head dim the caller gets no output and a reason (it then runs XLA's
-  attention with dropout)."""
+  """Off a GPU, for 'auto', a bias shared by the rows, a float16 bias carrying a mask, a dense mask
+  of another shape or an odd head dim the caller gets no output and a reason (it then runs XLA's
+  attention with dropout); a dense mask, a bias of every row and head beside it or beside a
+  family's segment ids run the kernel."""
   rng = np.random.default_rng(1)
   seg = jnp.asarray(random_packed(rng, 2, 32, max_docs=2, pad=0)[0])
   q, k, v = _qkv(rng, 2, 32, 2, 2)
@@ -388,15 +433,19 @@ def test_what_the_kernel_refuses_goes_to_xla(monkeypatch):
   monkeypatch.setattr(attn, "_on_gpu", lambda: True)
   assert run("auto")[0] is None and "model.attention=pallas" in run("auto")[1]
   dense = ops.SegmentMask(seg, True).dense()
-  assert "dense mask" in run("pallas", mask=dense)[1]
-  assert "bias" in run("pallas", bias=jnp.zeros((1, 2, 32, 32)))[1]
   # a bias of every row and head carries a dense mask (XLNet's relative terms); one shared by the
   # rows (T5's) or in float16 does not
+  assert "every row and head" in run("pallas", bias=jnp.zeros((1, 2, 32, 32)))[1]
   assert "every row and head" in run("pallas", mask=dense, bias=jnp.zeros((1, 2, 32, 32)))[1]
   assert "float16" in run("pallas", mask=dense, bias=jnp.zeros((2, 2, 32, 32), jnp.float16))[1]
   out, why = run("pallas", mask=dense, bias=jnp.zeros((2, 2, 32, 32)))
   assert out.shape == q.shape and why == ("GPU, a bias of every row and head carrying the mask; dropout 0.1 drawn in "
                                           "the kernel")
+  # a dense mask alone is read beside the scores; a bias beside segment ids is read as it is
+  assert run("pallas", mask=dense)[1] == "GPU, a dense mask; dropout 0.1 drawn in the kernel"
+  assert "dense mask must be" in run("pallas", mask=dense[:, :, :16])[1]
+  assert run("pallas", bias=jnp.zeros((2, 2, 32, 32)))[1] == ("GPU, segment ids, a bias of every row and head; "
+                                                              "dropout 0.1 drawn in the kernel")
   odd = [x[..., :12] for x in (q, k, v)]
   assert "power of two" in run("pallas", q=odd[0], k=odd[1], v=odd[2])[1]
   out, why = run("pallas")

@@ -230,3 +230,39 @@ def test_scanned_and_unrolled_layers_agree(position, remat):
   b = _two_stream(scanned, stacked, tokens, positions, content, query, mapping, types)
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
   # (Gradients through remat, scanned and unrolled: test_information_flow_under_a_factorization_order.)
+
+
+def test_attention_dropout_runs_in_the_kernel_reading_the_dense_masks(monkeypatch):
+  """With attention dropout and model.attention=pallas (a GPU faked for the choice) both streams'
+  attentions run tfx's Pallas kernel (interpreted here) with the permutation's dense masks read
+  beside the scores (the query stream's 5 slots padded to a block inside it); the training-mode
+  logits and gradients equal those of XLA's attention, which draws the same keep bits (what runs
+  without a GPU)."""
+  from tfx.ops import attention as attn
+
+  monkeypatch.setattr(attn, "_on_gpu", lambda: True)
+  t = 16
+  cfg = _cfg(d_model=32, num_heads=2, attention="pallas", attention_dropout=0.3, dropout=0.1, max_length=t)
+  params = _params(cfg)
+  tokens, positions, types, _, content, query = _inputs(5, t=t)
+  mapping = _mapping(B, t, [3, 9, 0, 14], 5)  # one padded slot
+
+  def run(key):
+    loss = lambda p: jnp.sum(jnp.tanh(_two_stream(cfg, p, tokens, positions, content, query, mapping, types,
+                                                  train=True, rng=key)))
+    return jax.value_and_grad(loss)(params)
+
+  with attn.recorded_choices() as chosen:
+    got, got_grads = run(jax.random.key(1))
+  assert {impl for impl, _ in chosen} == {"pallas"} and "a dense mask" in chosen[0][1], chosen
+  monkeypatch.setattr(attn, "_on_gpu", lambda: False)
+  _two_stream.clear_cache()  # traced with the kernel
+  with attn.recorded_choices() as chosen:
+    want, want_grads = run(jax.random.key(1))
+  _two_stream.clear_cache()
+  assert {impl for impl, _ in chosen} == {"xla"}, chosen
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  # (the key projection's bias has no gradient but float32 rounding: the tolerance is the gradients' scale's)
+  scale = max(float(np.abs(w).max()) for w in jax.tree.leaves(want_grads))
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-5 * scale, err_msg=jax.tree_util.keystr(path))

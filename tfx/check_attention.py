@@ -19,7 +19,8 @@ value, and fails (exit status 1) where one is over the dtype's tolerance. Query 
 allowed key (padding, the first token of a permutation's query stream) must come out as zeros.
 
 The `*_dropout` cases check `pallas` alone, on a GPU, the one kernel that applies attention
-dropout (`tfx.ops.flash_dropout`; over segment ids, or XLNet's bias per row carrying the mask):
+dropout (`tfx.ops.flash_dropout`; over segment ids, a dense mask, or XLNet's bias per row carrying
+the mask):
 its output and gradients against the reference dropping the same scores (`tfx.ops.dropout.keep_bits`, drawn in XLA), which also checks that the GPU compiled the
 kernel's keep-bit hash as the interpreter runs it.
 """
@@ -56,7 +57,7 @@ class Case:
   mask: Any  # ops.SegmentMask, ops.LengthMask or [b, 1, t, s] bool
   cotangent: jax.Array  # [b, t, h, d] float32
   bias: jax.Array | None = None  # [1, h, t, s] float32 (T5's) or [b, h, t, s] in q's dtype (XLNet's)
-  dropout: float = 0.0  # attention dropout (ids, or a bias per row carrying the mask; checked with 'pallas' alone)
+  dropout: float = 0.0  # attention dropout (ids, a dense mask, a bias per row carrying it; 'pallas' alone)
 
 
 # The dropout cases' key: the kernel's seed is drawn from it as a model's layer draws it.
@@ -142,8 +143,11 @@ def make_cases(*, length: int = 128, heads: int = 4, head_dim: int = 64, batch: 
       case("grouped_query_causal_dropout", ops.SegmentMask(padded, causal=True), kv_heads=h // 2, dropout=0.3),
       # BART's cross attention: the decoder's documents over the encoder's, by their ids
       case("cross_dropout", ops.rows_mask(jnp.minimum(padded, 2), source), keys=t // 2, dropout=0.1),
-      # XLNet's query stream: its slots (fewer than a block's multiple) over every key, the relative
-      # terms a bias per row carrying the permutation's mask
+      # the query stream's slots (fewer than a block's multiple) over every key: the two-stream
+      # encoder's under the permutation's dense mask, XLNet's with its relative terms as a bias per row
+      # carrying that mask
+      case("two_stream_query_dropout", (same & (rank[:, None, None, :] < rank[:, None, :, None]))[:, :, :t - 11],
+           rows=t - 11, keys=t, dropout=0.1),
       case("biased_two_stream_dropout", (same & (rank[:, None, None, :] < rank[:, None, :, None]))[:, :, :t - 11],
            bias="rows", rows=t - 11, keys=t, dropout=0.1),
   ]
@@ -171,8 +175,10 @@ def reference(case: Case) -> list[np.ndarray]:
   attends = _attends(mask)[:, :, None, None]  # [b, t, 1, 1]
 
   def fn(q, k, v, bias):
-    if case.dropout and bias is not None:  # XLA's attention with the mask and bias, dropping the same scores
-      q, k, v, bias = (x.astype(jnp.float32) for x in (q, k, v, bias))
+    if case.dropout and not isinstance(case.mask, (ops.SegmentMask, ops.CrossMask)):
+      # a dense mask (and a bias): XLA's attention with them, dropping the same scores
+      q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+      bias = None if bias is None else bias.astype(jnp.float32)
       return ops.attention.softmax_attention(q, k, v, mask, bias, q.shape[-1] ** -0.5, dropout_rate=case.dropout,
                                              seed=dropout.seed(jax.random.key(DROPOUT_KEY)))
     if case.dropout:

@@ -182,7 +182,7 @@ def shards() -> tuple[int, int]:
 
 def per_device(kernel, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array, *replicated: jax.Array,
                offsets: bool = False, key_ids: jax.Array | None = None, zero_padding: bool = True,
-               scores: jax.Array | None = None) -> jax.Array:
+               scores: jax.Array | None = None, dense: jax.Array | None = None) -> jax.Array:
   """`kernel(q, k, v, ids, *replicated)` on each device's shard of the rows and heads
   (`jax.shard_map` over the activations' logical sharding: batch over the data axes, heads over
   `tensor`; `replicated` operands whole on every device) when the current mesh has more than one
@@ -194,7 +194,8 @@ def per_device(kernel, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array,
   or its bias [h, 3, d], cut over the heads (its gradient summed over the row shards).
   `zero_padding=False`: the kernel gives padding queries zeros (and no gradient) itself. With
   `scores` [b, h, t, s] (a bias of every row and head on the scores), the kernel gets it after the
-  ids, cut over the rows and heads alike.
+  ids, cut over the rows and heads alike; with `dense` [b, t, s] (a mask, every head's), after
+  them, cut over the rows.
 
   JAX's segment-id kernels let padding queries attend padding keys (both segment 0): their outputs
   are zeroed here, as the mask allows them nothing (their zero cotangent also keeps them out of dK
@@ -207,7 +208,8 @@ def per_device(kernel, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array,
   """
   found = _activation_spec()
   ids = tuple(x.astype(jnp.int32) for x in (ids, key_ids) if x is not None)  # [b, t] (, [b, s])
-  ids += () if scores is None else (scores,)  # [b, h, t, s]
+  extra = tuple(x for x in (scores, dense) if x is not None)  # [b, h, t, s], [b, t, s]
+  ids += extra
 
   def zeroed(q, k, v, *ids_and_replicated):  # [b', t, h', d], ids [b', t]
     extra = ()
@@ -225,8 +227,9 @@ def per_device(kernel, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array,
   from jax.sharding import PartitionSpec  # noqa: PLC0415
 
   _, spec = found  # [b, t, h, d]
-  rows = (PartitionSpec(*spec[:2]),) * (len(ids) - (scores is not None))  # [b, t] (, [b, s])
+  rows = (PartitionSpec(*spec[:2]),) * (len(ids) - len(extra))  # [b, t] (, [b, s])
   rows += () if scores is None else (PartitionSpec(spec[0], spec[2], None, None),)  # [b, h, t, s]
+  rows += () if dense is None else (PartitionSpec(spec[0], None, None),)  # [b, t, s]
   whole = (PartitionSpec(),) * len(replicated)
   # a stacked projection [b, t, h, 3, d] keeps its slots whole; its bias [h, 3, d] goes with the heads
   stacked = {4: spec, 5: PartitionSpec(*spec[:3], None, spec[3]), 3: PartitionSpec(spec[2], None, spec[3])}

@@ -45,6 +45,7 @@ class Static:
   stacked: bool = False  # q, k and v are slots of one [b, t, h, 3, d] array (`STACKED`)
   biased: bool = False  # and (stacked) their projection's bias [h, 3, d] is added as they are read
   score_bias: bool = False  # a [b, h, t, s] bias is added to the scaled scores (its gradient returned)
+  dense_mask: bool = False  # a [b, t, s] int8 mask (nonzero = may attend) beside the ids
 
   @property
   def threshold(self) -> int:
@@ -61,10 +62,15 @@ def program_stream(seeds_ref) -> jax.Array:
   return dropout.stream(seed, seeds_ref[1] + pl.program_id(1), seeds_ref[2] + pl.program_id(2))
 
 
-def _scores(q, k, q_ids, k_ids, q0, k0, static: Static, bias=None):
+def _block(ref, rows, columns):
+  """The [bq, bk] block of a score bias or a dense mask this block pair reads, or None (none)."""
+  return None if ref is None else ref[rows, columns]
+
+
+def _scores(q, k, q_ids, k_ids, q0, k0, static: Static, bias=None, mask=None):
   """f32 [bq, bk] masked scores of a query block starting at q0 over a key block starting at k0
-  (plus their `bias` block [bq, bk], if any), and the positions (query [bq, 1], key [1, bk]) the
-  keep bits are drawn at."""
+  (plus their `bias` block [bq, bk], and masked where their `mask` block is 0, if any), and the
+  positions (query [bq, 1], key [1, bk]) the keep bits are drawn at."""
   s = _dot(q, k, transpose_b=True) * static.scale  # [bq, bk]
   if bias is not None:
     s = s + bias.astype(jnp.float32)
@@ -73,6 +79,8 @@ def _scores(q, k, q_ids, k_ids, q0, k0, static: Static, bias=None):
   allowed = q_ids[:, None] == k_ids[None, :]  # [bq, bk]
   if static.causal:
     allowed = allowed & (query >= key_pos)
+  if mask is not None:
+    allowed = allowed & (mask != 0)
   return jnp.where(allowed, s, MASK_VALUE), query, key_pos
 
 
@@ -88,7 +96,7 @@ def _key_blocks(q0, block_q: int, block_k: int, keys: int, causal: bool):
   return (q0 + block_q + block_k - 1) // block_k if causal else keys // block_k
 
 
-def _forward_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, sb_ref, o_ref, lse_ref, *,
+def _forward_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, sb_ref, mask_ref, o_ref, lse_ref, *,
                     static: Static):
   block_q, block_k, s = static.block_q, static.block_k, k_ref.shape[0]
   key = program_stream(seeds_ref)
@@ -100,8 +108,9 @@ def _forward_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, sb_ref
     acc, m, l = carry  # [bq, d], [bq], [bq]
     k0 = j * block_k
     k = k_ref[pl.ds(k0, block_k), :]  # [bk, d]
-    bias = None if sb_ref is None else sb_ref[:, pl.ds(k0, block_k)]  # [bq, bk]
-    scores, query, key_pos = _scores(q, k, q_ids, k_ids_ref[pl.ds(k0, block_k)], q0, k0, static, bias)
+    columns = pl.ds(k0, block_k)
+    scores, query, key_pos = _scores(q, k, q_ids, k_ids_ref[columns], q0, k0, static,
+                                     _block(sb_ref, slice(None), columns), _block(mask_ref, slice(None), columns))
     m_new = jnp.maximum(m, jnp.max(scores, axis=1))
     correction = jnp.exp(m - m_new)  # [bq]
     w = jnp.exp(scores - m_new[:, None])  # [bq, bk] unnormalised probabilities
@@ -124,10 +133,10 @@ def _forward_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, sb_ref
   lse_ref[...] = jnp.where(attends, m + jnp.log(l), jnp.inf)
 
 
-def _recomputed(key, q, k, q_ids, k_ids, lse, q0, k0, keys: int, static: Static, bias=None):
+def _recomputed(key, q, k, q_ids, k_ids, lse, q0, k0, keys: int, static: Static, bias=None, mask=None):
   """(probabilities p [bq, bk], keep bits) of one block pair, from the forward pass' log-sum-exp;
   `keys`: the row's key count (the keep bits count query * keys + key)."""
-  scores, query, key_pos = _scores(q, k, q_ids, k_ids, q0, k0, static, bias)
+  scores, query, key_pos = _scores(q, k, q_ids, k_ids, q0, k0, static, bias, mask)
   return jnp.exp(scores - lse[:, None]), dropout.kept(key, query, key_pos, keys, static.threshold)
 
 
@@ -138,7 +147,7 @@ def _grad_scores(p, kept, do, v, delta, static: Static):
   return dropped, p * (dp - delta[:, None])
 
 
-def _dkv_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, sb_ref, do_ref, lse_ref, delta_ref,
+def _dkv_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, sb_ref, mask_ref, do_ref, lse_ref, delta_ref,
                 *out_refs, static: Static):
   """dK and dV of a key block: into dk_ref and dv_ref, or (stacked) into the k and v slots of one
   [block, 2, d] block of the stacked gradient."""
@@ -152,9 +161,9 @@ def _dkv_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, sb_ref, do
     dk, dv = carry  # [bk, d] f32 each
     q0 = i * block_q
     q, do = q_ref[pl.ds(q0, block_q), :], do_ref[pl.ds(q0, block_q), :]  # [bq, d] each
-    bias = None if sb_ref is None else sb_ref[pl.ds(q0, block_q), :]  # [bq, bk]
-    p, kept = _recomputed(key, q, k, q_ids_ref[pl.ds(q0, block_q)], k_ids, lse_ref[pl.ds(q0, block_q)], q0, k0, s,
-                          static, bias)
+    rows = pl.ds(q0, block_q)
+    p, kept = _recomputed(key, q, k, q_ids_ref[rows], k_ids, lse_ref[rows], q0, k0, s, static,
+                          _block(sb_ref, rows, slice(None)), _block(mask_ref, rows, slice(None)))
     dropped, ds = _grad_scores(p, kept, do, v, delta_ref[pl.ds(q0, block_q)], static)
     dv = dv + _dot(dropped.astype(do.dtype), do, transpose_a=True)
     dk = dk + _dot(ds.astype(q.dtype), q, transpose_a=True)
@@ -172,8 +181,8 @@ def _dkv_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, sb_ref, do
     out_refs[1][...] = dv.astype(out_refs[1].dtype)
 
 
-def _dq_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, sb_ref, do_ref, lse_ref, delta_ref, *refs,
-               static: Static):
+def _dq_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, sb_ref, mask_ref, do_ref, lse_ref, delta_ref,
+               *refs, static: Static):
   """dQ of a query block into its output ref (the last; stacked, a buffer aliased to the stacked
   gradient comes before it and is not read), and with a score bias its gradient, the scores' (the
   outputs dQ, d bias)."""
@@ -187,11 +196,12 @@ def _dq_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, sb_ref, do_
   def body(j, dq):
     k0 = j * block_k
     k, v = k_ref[pl.ds(k0, block_k), :], v_ref[pl.ds(k0, block_k), :]  # [bk, d] each
-    bias = None if sb_ref is None else sb_ref[:, pl.ds(k0, block_k)]  # [bq, bk]
-    p, kept = _recomputed(key, q, k, q_ids, k_ids_ref[pl.ds(k0, block_k)], lse, q0, k0, s, static, bias)
+    columns = pl.ds(k0, block_k)
+    p, kept = _recomputed(key, q, k, q_ids, k_ids_ref[columns], lse, q0, k0, s, static,
+                          _block(sb_ref, slice(None), columns), _block(mask_ref, slice(None), columns))
     _, ds = _grad_scores(p, kept, do, v, delta, static)
     if dsb_ref is not None:  # the scores' gradient is the bias's
-      dsb_ref[:, pl.ds(k0, block_k)] = ds.astype(dsb_ref.dtype)
+      dsb_ref[:, columns] = ds.astype(dsb_ref.dtype)
     return dq + _dot(ds.astype(k.dtype), k)
 
   def masked(j, carry):  # causal: the key blocks after the queries' get no gradient
@@ -224,14 +234,17 @@ class _Biased:
 def _with_biases(kernel, static: Static):
   """`kernel(*refs, static=static)`, its q, k and v refs reading their biases (`static.biased`:
   the three bias refs come right after them, and the kernel does not see them), and None for the
-  score bias' ref after the ids where there is none."""
+  score bias' and the dense mask's refs after the ids where there are none."""
   def call(seeds_ref, q_ref, k_ref, v_ref, *refs):
     if static.biased:
       (bq, bk, bv), refs = refs[:3], refs[3:]
       q_ref, k_ref, v_ref = _Biased(q_ref, bq), _Biased(k_ref, bk), _Biased(v_ref, bv)
-    if not static.score_bias:
-      refs = (*refs[:2], None, *refs[2:])  # (q_ids, k_ids, no score bias, ...)
-    return kernel(seeds_ref, q_ref, k_ref, v_ref, *refs, static=static)
+    ids, refs = refs[:2], refs[2:]
+    optional = []
+    for present in (static.score_bias, static.dense_mask):
+      optional.append(refs[0] if present else None)
+      refs = refs[1:] if present else refs
+    return kernel(seeds_ref, q_ref, k_ref, v_ref, *ids, *optional, *refs, static=static)
   call.__name__ = kernel.__name__
   return call
 
@@ -245,7 +258,7 @@ def call(kernel, static: Static, block: int, out_shape: tuple, blocked: tuple[bo
   [b, t|s, h, d] activations, [b, t|s] segment ids, [b, h, t] softmax statistics. `slots` (None
   each, or for a stacked [b, t, h, 3, d] array (first slot, slots)) picks an array's slots: one is
   a [.., d] block, two a [.., 2, d] one; `SCORE_ROWS` / `SCORE_COLUMNS` mark a [b, h, t, s] array
-  blocked over its queries / its keys. `aliases`: pallas_call's input_output_aliases, as pairs
+  blocked over its queries / its keys, `MASK_ROWS` / `MASK_COLUMNS` a [b, t, s] one. `aliases`: pallas_call's input_output_aliases, as pairs
   (operand index, the seeds not counted; output index).
 
   Under jit, as a call JAX can drop: a bare pallas_call survives dead-code elimination, and under
@@ -259,6 +272,10 @@ def call(kernel, static: Static, block: int, out_shape: tuple, blocked: tuple[bo
       rows = slot == SCORE_ROWS
       return pl.BlockSpec((None, None, block if rows else shape[2], shape[3] if rows else block),
                           lambda i, j, k: (j, k, i if rows else 0, 0 if rows else i))
+    if slot in (MASK_ROWS, MASK_COLUMNS):  # a [b, t, s] mask, every head's, blocked likewise
+      rows = slot == MASK_ROWS
+      return pl.BlockSpec((None, block if rows else shape[1], shape[2] if rows else block),
+                          lambda i, j, k: (j, i if rows else 0, 0 if rows else i))
     length = block if blocked else shape[2 if len(shape) == 3 else 1]
     if slot is not None and len(shape) == 3:  # a stacked projection's bias [h, 3, d]: this head's slot
       return pl.BlockSpec((None, None, d), lambda i, j, k: (k, slot[0], 0))
@@ -300,13 +317,16 @@ def _slot(name: str, width: int = 1) -> tuple[int, int]:
 
 # `call`'s slots of a [b, h, t, s] score bias (or its gradient): blocked over the queries or the keys.
 SCORE_ROWS, SCORE_COLUMNS = ("scores", 2), ("scores", 3)
+# and of a dense [b, t, s] mask.
+MASK_ROWS, MASK_COLUMNS = ("mask", 1), ("mask", 2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def attend(q, k, v, q_ids, k_ids, score_bias, seeds, static: Static):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def attend(q, k, v, q_ids, k_ids, score_bias, mask, seeds, static: Static):
   """Stacked (`static.stacked`): q is the [b, t, h, 3, d] array, k its bias [h, 3, d] float32
-  (`static.biased`) or None, and v None. `score_bias`: [b, h, t, s] or None."""
-  return _attend_fwd(q, k, v, q_ids, k_ids, score_bias, seeds, static)[0]
+  (`static.biased`) or None, and v None. `score_bias`: [b, h, t, s] or None; `mask`: [b, t, s]
+  int8 or None."""
+  return _attend_fwd(q, k, v, q_ids, k_ids, score_bias, mask, seeds, static)[0]
 
 
 def _activations(q, k, v, static: Static):
@@ -320,52 +340,62 @@ def _activations(q, k, v, static: Static):
   return (q, q, q), slots
 
 
-def _attend_fwd(q, k, v, q_ids, k_ids, score_bias, seeds, static: Static):
+def _optional(score_bias, mask, *, rows: bool) -> tuple[tuple, tuple]:
+  """(operands, their slots): the score bias and the dense mask there are, blocked over the
+  queries (`rows`) or over the keys."""
+  present = [(x, slot) for x, slot in ((score_bias, SCORE_ROWS if rows else SCORE_COLUMNS),
+                                       (mask, MASK_ROWS if rows else MASK_COLUMNS)) if x is not None]
+  return tuple(x for x, _ in present), tuple(slot for _, slot in present)
+
+
+def _attend_fwd(q, k, v, q_ids, k_ids, score_bias, mask, seeds, static: Static):
   b, t, h = q.shape[:3]
   d = q.shape[-1]
   stats = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
   qkv, slots = _activations(q, k, v, static)
-  scores = () if score_bias is None else (score_bias,)
-  # blocked: outputs (o, lse), then inputs (q, k, v[, their biases], q_ids, k_ids[, score bias])
+  extra, extra_slots = _optional(score_bias, mask, rows=True)
+  # blocked: outputs (o, lse), then inputs (q, k, v[, their biases], q_ids, k_ids[, score bias][, mask])
   out, lse = call(_forward_kernel, static, static.block_q, (jax.ShapeDtypeStruct((b, t, h, d), q.dtype), stats),
-                   (True, True, True, False, False, *(False,) * (len(qkv) - 3), False, False, *(True,) * len(scores)),
-                   (None, None, *slots, None, None, *(SCORE_ROWS,) * len(scores)), (), seeds, *qkv, q_ids, k_ids,
-                   *scores)  # [b, t, h, d], [b, h, t]
+                  (True, True, True, False, False, *(False,) * (len(qkv) - 3), False, False, *(True,) * len(extra)),
+                  (None, None, *slots, None, None, *extra_slots), (), seeds, *qkv, q_ids, k_ids,
+                  *extra)  # [b, t, h, d], [b, h, t]
   out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_out")
-  return out, (q, k, v, q_ids, k_ids, score_bias, seeds, out, lse)
+  return out, (q, k, v, q_ids, k_ids, score_bias, mask, seeds, out, lse)
 
 
 def _attend_bwd(static: Static, residuals, d_out):
-  q, k, v, q_ids, k_ids, score_bias, seeds, out, lse = residuals
+  q, k, v, q_ids, k_ids, score_bias, mask, seeds, out, lse = residuals
   delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))  # [b, h, t]
   d_out = d_out.astype(q.dtype)
   qkv, slots = _activations(q, k, v, static)
-  scores = () if score_bias is None else (score_bias,)
-  n = len(scores)
-  operands = (*qkv, q_ids, k_ids, *scores, d_out, lse, delta)
+  extra, row_slots = _optional(score_bias, mask, rows=True)
+  _, column_slots = _optional(score_bias, mask, rows=False)
+  n = len(extra)
+  operands = (*qkv, q_ids, k_ids, *extra, d_out, lse, delta)
   biases = (False,) * (len(qkv) - 3)  # never blocked
   like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
   # dK, dV: blocked over keys; every query read. dQ (and d score bias): blocked over queries; every key read.
   dkv_in = (False, True, True, *biases, False, False, *(True,) * n, False, False, False)
   dq_in = (True, False, False, *biases, False, False, *(True,) * n, True, True, True)
-  dkv_slots = (*slots, None, None, *(SCORE_COLUMNS,) * n, None, None, None)
-  dq_slots = (*slots, None, None, *(SCORE_ROWS,) * n, None, None, None)
+  dkv_slots = (*slots, None, None, *column_slots, None, None, None)
+  dq_slots = (*slots, None, None, *row_slots, None, None, None)
+  scores = () if score_bias is None else (score_bias,)  # its gradient: the dQ kernel's second output
   if not static.stacked:
     d_k, d_v = call(_dkv_kernel, static, static.back_k, (like(k), like(v)), (True, True, *dkv_in),
-                     (None, None, *dkv_slots), (), seeds, *operands)
+                    (None, None, *dkv_slots), (), seeds, *operands)
     d_q, *d_scores = call(_dq_kernel, static, static.back_q, (like(q), *map(like, scores)),
-                           (True, *(True,) * n, *dq_in), (None, *(SCORE_ROWS,) * n, *dq_slots), (), seeds,
-                           *operands)
-    return d_q, d_k, d_v, None, None, (d_scores[0] if n else None), None
+                          (True, *(True,) * len(scores), *dq_in), (None, *(SCORE_ROWS,) * len(scores), *dq_slots),
+                          (), seeds, *operands)
+    return d_q, d_k, d_v, None, None, (d_scores[0] if scores else None), None, None
   # Stacked: the dK / dV kernel writes the k and v slots of the [b, t, h, 3, d] gradient, and the dQ
   # kernel its q slot in the same buffer (aliased), so that no copy stacks the three gradients.
   (d_kv,) = call(_dkv_kernel, static, static.back_k, (like(q),), (True, *dkv_in), (_slot("k", 2), *dkv_slots), (),
-                  seeds, *operands)
+                 seeds, *operands)
   (d_qkv,) = call(_dq_kernel, static, static.back_q, (like(q),), (True, *dq_in, True),
-                   (_slot("q"), *dq_slots, _slot("q")), ((len(operands), 0),), seeds, *operands, d_kv)
+                  (_slot("q"), *dq_slots, _slot("q")), ((len(operands), 0),), seeds, *operands, d_kv)
   # the bias's gradient: the projection's summed over the rows, in float32 (as `add_bias`'s)
   d_bias = jnp.sum(d_qkv.astype(jnp.float32), axis=(0, 1)).astype(k.dtype) if static.biased else None
-  return d_qkv, d_bias, None, None, None, None, None
+  return d_qkv, d_bias, None, None, None, None, None, None
 
 
 attend.defvjp(_attend_fwd, _attend_bwd)
