@@ -33,6 +33,7 @@ from tfx import ops
 from tfx.ops import dropout as dropout_ops
 from tfx.ops import hoisting
 from tfx.ops.flash_dropout import fused_dropout_attention
+from tfx.ops.target import whole_positional_table
 from tfx.nn.layers import DenseGeneral, Dropout, Mlp, ModelConfig, Norm, add_bias, constrain, take_rows
 
 
@@ -116,12 +117,16 @@ def encoding_signs(bi_sign, batch: int, *, per_row: bool = False) -> jax.Array |
 
 
 # Queries per block of `positional_scores`, whose table is s + block - 1 distances wide. Against k_r
-# shared by the batch the windows are small (nb x w x h x d); per row (bi_data's signed distances)
-# they are nb copies of the rows' k_r, so there the blocks are halves. Measured by the bytes of
-# XLNet-base's step compiled for an H100 (32 x 512, memory 384): shared, blocks of 16 / 32 / 64 / 128
-# / 512 move 208.3 / 207.0 / 207.9 / 211.5 / 257.3 GB; per row, 64 / 128 / 256 / 512: 238.7 / 220.6 /
-# 216.1 / 222.9 GB. One k_r per half of the batch (bi_data, `HALVES`): blocks of 64 / 256 moved 156.3
-# / 158.9 GB (2026-11-29): a few k_r are small windows, as one is.
+# shared by the batch the windows are small (nb x w x h x d); per row (the encodings dropped per row
+# in training) they are nb copies of the rows' k_r, so there the table is halves or (on a GPU:
+# `tfx.ops.target.whole_positional_table`) one block. Measured by the
+# bytes of XLNet-base's step compiled for an H100 (32 x 512, memory 384): shared, blocks of 16 / 32 /
+# 64 / 128 / 512 move 208.3 / 207.0 / 207.9 / 211.5 / 257.3 GB; per row, 64 / 128 / 256 / 512: 238.7 /
+# 220.6 / 216.1 / 222.9 GB (2026-11-29, XLA's attention then), and since the Pallas kernel takes the
+# bias (stop 66) 128 / 256 / 512: 182.9 / 174.0 / 169.2 GB on it, 252.2 (256) / 247.4 (512) on XLA's
+# attention. One k_r per half of the batch (bi_data, `HALVES`; the suite's step, cuDNN's attention):
+# blocks of 64 / 256 moved 156.3 / 158.9 GB (2026-11-29), and 64 / 128 / 512 136.8 / 137.2 / 144.6
+# (stop 66): a few k_r are small windows, as one is.
 QUERY_BLOCK = 64
 
 
@@ -151,8 +156,8 @@ def positional_scores(q_r: jax.Array, k_r: jax.Array, block: int | None = None) 
     k_r: [g, p, h, d] projected encodings W_r R(d) of `distance_table`'s distances (p = s + t - 1),
       shared by the rows of each of g contiguous groups (g = 1: the whole batch; g = b: a k_r per
       row; g = 2: bi_data's halves).
-    block: queries per block, a divisor of t (default: `query_block` of t, for QUERY_BLOCK; halves for
-      a k_r per row (g = b > 1); t: one block, the whole table).
+    block: queries per block, a divisor of t (default: `query_block` of t, for QUERY_BLOCK; for a
+      k_r per row (g = b > 1) t, one block, on a GPU (`whole_positional_table`), else halves).
 
   Returns:
     [b, h, t, s] float32: entry (i, j) scores the distance i + m - j.
@@ -161,7 +166,10 @@ def positional_scores(q_r: jax.Array, k_r: jax.Array, block: int | None = None) 
   g, p = k_r.shape[:2]
   s = p - t + 1
   if block is None:
-    block = query_block(t, QUERY_BLOCK if g < b or b == 1 else max(QUERY_BLOCK, t // 2))
+    if g < b or b == 1:
+      block = query_block(t)
+    else:  # a k_r per row
+      block = t if whole_positional_table() else query_block(t, max(QUERY_BLOCK, t // 2))
   if t % block:
     raise ValueError(f"positional_scores: block {block} does not divide the {t} queries")
   nb, w = t // block, s + block - 1

@@ -198,3 +198,14 @@ def stored_hidden_gradient() -> bool:
   GB). XLA:CPU's and XLA:TPU's fusions have not been looked at for it, so not there.
   """
   return backend() == "gpu"
+
+
+def whole_positional_table() -> bool:
+  """Whether XLNet's positional scores against encodings projected per row (dropped per row in
+  training) are one table over all the queries (`tfx.nn.xlnet.positional_scores`), rather than two
+  halves each against its window of the encodings, stacked. XLNet-base's own step compiled for an
+  H100 at 32 rows: 174.0 -> 169.2 GB on the Pallas kernel, 252.2 -> 247.4 on XLA's attention
+  (15.50 -> 15.14 GiB); for a v5e 2x2 the halves move less (1034.5 against 1047.0 GB, 7.36 against
+  7.61 GiB), so not there; XLA:CPU not looked at.
+  """
+  return backend() == "gpu"
