@@ -109,6 +109,14 @@ class Block(nn.Module):
     h, g = (x, None) if query is None else x
     for sublayer, name in zip(sublayers, names):
       norm = make_norm(cfg, name)
+      if name == "mlp_norm" and h is not None and g is not None and self.content:
+        # row by row: one pass over both streams' rows side by side (run apart, XLA merges the two
+        # streams' matmuls and copies their [b, ., f] hidden layers into one buffer each way)
+        both = jnp.concatenate([h, g], axis=1)  # [b, t + n, e]
+        both_in = norm(both) if cfg.norm == "pre" else both
+        both = _residual(cfg.norm, norm, both, drop(sublayer(both_in, None, None)))
+        h, g = both[:, :h.shape[1]], both[:, h.shape[1]:]
+        continue
       h_in = None if h is None else norm(h) if cfg.norm == "pre" else h  # [b, t, e]
       # Without the content stream, h is read once: the self-attention's keys and values.
       new_h = _residual(cfg.norm, norm, h, drop(sublayer(h_in, h_in, None))) if self.content else None

@@ -549,7 +549,12 @@ class XLNetLayer(nn.Module):
     norm = Norm("layernorm", cfg.norm_eps, use_bias=True, dtype=cfg.compute_dtype, name="mlp_norm")
     drop = lambda x: Dropout(cfg.dropout)(x, deterministic=self.deterministic)
     ffn = lambda x: norm(x + drop(mlp(x)))
-    return (None if h is None else ffn(h), None if g is None else ffn(g)), new_mem
+    if h is None or g is None:
+      return (None if h is None else ffn(h), None if g is None else ffn(g)), new_mem
+    # the streams share the MLP: one pass over their rows side by side (run apart, XLA merges the
+    # two streams' matmuls and copies their [b, ., f] hidden layers into one buffer each way)
+    both = ffn(jnp.concatenate([h, g], axis=1))  # [b, t + n, e]
+    return (both[:, :h.shape[1]], both[:, h.shape[1]:]), new_mem
 
 
 def cache_memory(prev: jax.Array | None, h: jax.Array, mem_len: int, reuse_len: int = 0) -> jax.Array:
