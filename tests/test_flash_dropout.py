@@ -343,9 +343,10 @@ def test_a_mesh_draws_the_one_device_mask(tmp_path):
   the keep bits of its global rows and heads, in a causal self-attention (q, k and v apart, and as
   a stacked projection with its bias, whose gradient sums every row shard's), in a cross
   attention (32 queries over 16 keys), in one with a bias of every row and head (27 queries, cut
-  with the rows and heads) and in one with a dense mask (cut with the rows): the output equals one device's bitwise (a shard drawing another's
-  bits would be off by whole probabilities), the gradients to float32 rounding (delta = rowsum(dO
-  * O) is summed by XLA in another order on a shard), with no all-gather in the forward pass."""
+  with the rows and heads) and in one with a dense mask (cut with the rows): the output equals one
+  device's bitwise (a shard drawing another's bits would be off by whole probabilities), the
+  gradients to float32 rounding (delta = rowsum(dO * O) is summed by XLA in another order on a
+  shard), with no all-gather in the forward pass."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, capture_output=True, text=True, timeout=600,
                         cwd=str(tmp_path))
@@ -446,6 +447,8 @@ def test_what_the_kernel_refuses_goes_to_xla(monkeypatch):
   assert "dense mask must be" in run("pallas", mask=dense[:, :, :16])[1]
   assert run("pallas", bias=jnp.zeros((2, 2, 32, 32)))[1] == ("GPU, segment ids, a bias of every row and head; "
                                                               "dropout 0.1 drawn in the kernel")
+  out, why = run("pallas", mask=None, q=q[:, :21])  # no mask: 21 queries over every key, padded to a block
+  assert out.shape == (2, 21, 2, 16) and why == "GPU, no mask; dropout 0.1 drawn in the kernel"
   odd = [x[..., :12] for x in (q, k, v)]
   assert "power of two" in run("pallas", q=odd[0], k=odd[1], v=odd[2])[1]
   out, why = run("pallas")

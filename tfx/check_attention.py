@@ -20,9 +20,9 @@ allowed key (padding, the first token of a permutation's query stream) must come
 
 The `*_dropout` cases check `pallas` alone, on a GPU, the one kernel that applies attention
 dropout (`tfx.ops.flash_dropout`; over segment ids, a dense mask, or XLNet's bias per row carrying
-the mask):
-its output and gradients against the reference dropping the same scores (`tfx.ops.dropout.keep_bits`, drawn in XLA), which also checks that the GPU compiled the
-kernel's keep-bit hash as the interpreter runs it.
+the mask): its output and gradients against the reference dropping the same scores
+(`tfx.ops.dropout.keep_bits`, drawn in XLA), which also checks that the GPU compiled the kernel's
+keep-bit hash as the interpreter runs it.
 """
 
 import argparse

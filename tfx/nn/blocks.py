@@ -103,15 +103,16 @@ class Block(nn.Module):
       sublayers.append(lambda y, kv, q: cross(y, encoded, cross_mask))
       names.append("cross_attention_norm")
     mlp = Mlp(cfg, self.deterministic, name="mlp")
-    sublayers.append(lambda y, kv, q: mlp(y))
+    feed_forward = lambda y, kv, q: mlp(y)  # row by row
+    sublayers.append(feed_forward)
     names.append("mlp_norm")
 
     h, g = (x, None) if query is None else x
     for sublayer, name in zip(sublayers, names):
       norm = make_norm(cfg, name)
-      if name == "mlp_norm" and h is not None and g is not None and self.content:
-        # row by row: one pass over both streams' rows side by side (run apart, XLA merges the two
-        # streams' matmuls and copies their [b, ., f] hidden layers into one buffer each way)
+      if sublayer is feed_forward and h is not None and g is not None and self.content:
+        # one pass over both streams' rows side by side (run apart, XLA merges the two streams'
+        # matmuls and copies their [b, ., f] hidden layers into one buffer each way)
         both = jnp.concatenate([h, g], axis=1)  # [b, t + n, e]
         both_in = norm(both) if cfg.norm == "pre" else both
         both = _residual(cfg.norm, norm, both, drop(sublayer(both_in, None, None)))

@@ -371,9 +371,10 @@ def relative_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_r: jax.Array,
   else XLA's attention with its own backward pass. Attention dropout runs in tfx's Pallas kernel
   with `model.attention=pallas` (`tfx.ops.flash_dropout`: it reads the bias, the mask folded into
   it, and writes the bias's gradient blockwise; no [b, h, t, s] probabilities), else in XLA's
-  attention, which draws the same keep bits. A row with no allowed key (the query stream's first token in the factorisation
-  order, before any memory) gets the mean of V, as XLNet's own softmax over all-masked scores
-  gives it: never predicted by tfx's objective, but the model's function is XLNet's.
+  attention, which draws the same keep bits. A row with no allowed key (the query stream's first
+  token in the factorisation order, before any memory) gets the mean of V, as XLNet's own softmax
+  over all-masked scores gives it: never predicted by tfx's objective, but the model's function is
+  XLNet's.
 
   Args:
     q: [b, t, h, d]; k, v: [b, s, h, d]; k_r, biases, seg_embed, seg_diff: as `relative_scores`.

@@ -208,8 +208,8 @@ def per_device(kernel, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array,
   """
   found = _activation_spec()
   ids = tuple(x.astype(jnp.int32) for x in (ids, key_ids) if x is not None)  # [b, t] (, [b, s])
-  extra = tuple(x for x in (scores, dense) if x is not None)  # [b, h, t, s], [b, t, s]
-  ids += extra
+  blocks = tuple(x for x in (scores, dense) if x is not None)  # [b, h, t, s], [b, t, s]
+  ids += blocks
 
   def zeroed(q, k, v, *ids_and_replicated):  # [b', t, h', d], ids [b', t]
     extra = ()
@@ -227,7 +227,7 @@ def per_device(kernel, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array,
   from jax.sharding import PartitionSpec  # noqa: PLC0415
 
   _, spec = found  # [b, t, h, d]
-  rows = (PartitionSpec(*spec[:2]),) * (len(ids) - len(extra))  # [b, t] (, [b, s])
+  rows = (PartitionSpec(*spec[:2]),) * (len(ids) - len(blocks))  # [b, t] (, [b, s])
   rows += () if scores is None else (PartitionSpec(spec[0], spec[2], None, None),)  # [b, h, t, s]
   rows += () if dense is None else (PartitionSpec(spec[0], None, None),)  # [b, t, s]
   whole = (PartitionSpec(),) * len(replicated)

@@ -1,24 +1,24 @@
 """Flash attention with dropout on its probabilities, as Pallas kernels of tfx's own
 (`model.attention=pallas` with `model.attention_dropout > 0`).
 
-The papers' configs keep attention dropout (BERT, RoBERTa, ELECTRA, BART: 0.1). No fused kernel
-JAX exposes applies it (cuDNN's fMHA has dropout, but JAX's API takes its seed as a compile-time
-constant: the same mask every step), so those configs ran XLA's attention, which writes and reads
-[b, h, t, s] scores, probabilities and a keep mask several times a layer (BERT-base's own step
-for an H100 at 32 rows: 113.3 GB a step against 43.3 with dropout off). These kernels draw the
-keep mask inside the kernel from a counter hash and never write it, nor any [b, h, t, s] array
-(but the gradient of a bias given as one).
+The papers' configs keep attention dropout (BERT, RoBERTa, ELECTRA, BART, XLNet: 0.1). No fused
+kernel JAX exposes applies it (cuDNN's fMHA has dropout, but JAX's API takes its seed as a
+compile-time constant: the same mask every step), so those configs ran XLA's attention, which
+writes and reads [b, h, t, s] scores, probabilities and a keep mask several times a layer
+(BERT-base's own step for an H100 at 32 rows: 113.3 GB a step against 43.3 with dropout off).
+These kernels draw the keep mask inside the kernel from a counter hash and never write it, nor any
+[b, h, t, s] array (but the gradient of a bias given as one).
 
 What they compute (the same as `tfx.nn.attention._reference_with_dropout` over a `SegmentMask`, a
 cross attention's `CrossMask` or a dense mask, the same dropped scores): p = softmax(q k^T * scale
 [+ bias]) over the keys a query may attend (its own segment; at or before it when causal; for a
 cross attention, the keys of its own segment, s of them where there are t queries; where a dense
-mask allows), out = (p * keep / P(keep)) v, and 0 for a query with no key to attend. The keep bit of score (row, head, query, key) is
-`tfx.ops.dropout.keep_bits` of [b, h, t, s]: a hash of the step's seed, the *global* row and head
-(a shard adds its offsets) and the query and key positions, so that every mesh, block size and
-kernel draws the same mask, the backward kernels draw it again bit for bit, and XLA's attention
-with dropout draws it too (since stop 64; before, XLA's path drew threefry bits): turning the
-kernel on changes no dropped score.
+mask allows), out = (p * keep / P(keep)) v, and 0 for a query with no key to attend. The keep bit
+of score (row, head, query, key) is `tfx.ops.dropout.keep_bits` of [b, h, t, s]: a hash of the
+step's seed, the *global* row and head (a shard adds its offsets) and the query and key positions,
+so that every mesh, block size and kernel draws the same mask, the backward kernels draw it again
+bit for bit, and XLA's attention with dropout draws it too (since stop 64; before, XLA's path drew
+threefry bits): turning the kernel on changes no dropped score.
 
 The kernels and their VJP are in `tfx.ops.flash_dropout_kernels` (forward, dK/dV and dQ, the
 probabilities recomputed from the log-sum-exp); off a GPU they run in Pallas' interpreter (slow,
@@ -139,8 +139,8 @@ def dropout_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_id
     scores: [b, h, t, s] added to the scaled scores (in q's dtype or float32; XLNet's relative
       terms, a dense mask folded in by `score_bias`), its gradient returned; or None.
     mask: [b, t, s] bool (True = may attend), every head's, beside the ids (the two-stream
-      encoder's permutation masks), or None. A cross attention with `scores` or `mask` takes any
-      number of queries (padded to a block here).
+      encoder's permutation masks), or None. A cross attention takes any number of queries
+      (padded to a block here).
     interpret: run Pallas' interpreter; default: off a GPU.
 
   Returns:
@@ -161,8 +161,9 @@ def dropout_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_id
                      f"{' and a stacked projection' if qkv is not None else ''}")
   mask = None if mask is None else mask.astype(jnp.int8)  # [b, t, s]: nonzero = may attend
   length = t
-  if (scores is not None or mask is not None) and key_segment_ids is not None and flash.block_length(t) is None:
-    # queries padded to a block (XLNet's prediction slots): a padding query (id 0) gives zeros, no gradient
+  if key_segment_ids is not None and flash.block_length(t) is None:
+    # a cross attention's queries padded to a block (XLNet's prediction slots): a padding query (id
+    # 0) gives zeros and no gradient
     length = -(-t // flash.BLOCKS[-1]) * flash.BLOCKS[-1]
     pad = lambda x, axis: None if x is None else jnp.pad(x, [(0, length - t if i == axis else 0)
                                                             for i in range(x.ndim)])

@@ -184,8 +184,8 @@ def _dkv_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, sb_ref, ma
 def _dq_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, sb_ref, mask_ref, do_ref, lse_ref, delta_ref,
                *refs, static: Static):
   """dQ of a query block into its output ref (the last; stacked, a buffer aliased to the stacked
-  gradient comes before it and is not read), and with a score bias its gradient, the scores' (the
-  outputs dQ, d bias)."""
+  gradient comes before it and is not read), or with a score bias dQ and the bias's gradient, the
+  scores' (the outputs in that order)."""
   dq_ref, dsb_ref = refs if static.score_bias else (refs[-1], None)
   block_q, block_k, s = static.back_q, static.back_k, k_ref.shape[0]
   key = program_stream(seeds_ref)
@@ -195,8 +195,8 @@ def _dq_kernel(seeds_ref, q_ref, k_ref, v_ref, q_ids_ref, k_ids_ref, sb_ref, mas
 
   def body(j, dq):
     k0 = j * block_k
-    k, v = k_ref[pl.ds(k0, block_k), :], v_ref[pl.ds(k0, block_k), :]  # [bk, d] each
     columns = pl.ds(k0, block_k)
+    k, v = k_ref[columns, :], v_ref[columns, :]  # [bk, d] each
     p, kept = _recomputed(key, q, k, q_ids, k_ids_ref[columns], lse, q0, k0, s, static,
                           _block(sb_ref, slice(None), columns), _block(mask_ref, slice(None), columns))
     _, ds = _grad_scores(p, kept, do, v, delta, static)
@@ -258,8 +258,9 @@ def call(kernel, static: Static, block: int, out_shape: tuple, blocked: tuple[bo
   [b, t|s, h, d] activations, [b, t|s] segment ids, [b, h, t] softmax statistics. `slots` (None
   each, or for a stacked [b, t, h, 3, d] array (first slot, slots)) picks an array's slots: one is
   a [.., d] block, two a [.., 2, d] one; `SCORE_ROWS` / `SCORE_COLUMNS` mark a [b, h, t, s] array
-  blocked over its queries / its keys, `MASK_ROWS` / `MASK_COLUMNS` a [b, t, s] one. `aliases`: pallas_call's input_output_aliases, as pairs
-  (operand index, the seeds not counted; output index).
+  blocked over its queries / its keys, `MASK_ROWS` / `MASK_COLUMNS` a [b, t, s] one. `aliases`:
+  pallas_call's input_output_aliases, as pairs (operand index, the seeds not counted; output
+  index).
 
   Under jit, as a call JAX can drop: a bare pallas_call survives dead-code elimination, and under
   a remat policy that keeps the forward kernel's named outputs the forward kernel then ran twice
