@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from tfx import ops
 from tfx.nn.attention import Attention
-from tfx.nn.layers import Dropout, Mlp, ModelConfig, constrain, make_norm
+from tfx.nn.layers import Dropout, Mlp, ModelConfig, constrain, make_norm, rows_together
 
 # Rematerialisation policies by name (config `model.remat`; tfx.bench --sweep-remat compares them).
 # JAX's own policy names are accepted beside the short ones.
@@ -111,12 +111,10 @@ class Block(nn.Module):
     for sublayer, name in zip(sublayers, names):
       norm = make_norm(cfg, name)
       if sublayer is feed_forward and h is not None and g is not None and self.content:
-        # one pass over both streams' rows side by side (run apart, XLA merges the two streams'
-        # matmuls and copies their [b, ., f] hidden layers into one buffer each way)
-        both = jnp.concatenate([h, g], axis=1)  # [b, t + n, e]
-        both_in = norm(both) if cfg.norm == "pre" else both
-        both = _residual(cfg.norm, norm, both, drop(sublayer(both_in, None, None)))
-        h, g = both[:, :h.shape[1]], both[:, h.shape[1]:]
+        def row_wise(y, norm=norm):  # [b, ., e]: this sublayer's residual step
+          return _residual(cfg.norm, norm, y, drop(feed_forward(norm(y) if cfg.norm == "pre" else y, None, None)))
+
+        h, g = rows_together(row_wise, h, g)  # both streams' rows in one pass
         continue
       h_in = None if h is None else norm(h) if cfg.norm == "pre" else h  # [b, t, e]
       # Without the content stream, h is read once: the self-attention's keys and values.

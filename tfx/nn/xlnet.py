@@ -34,7 +34,8 @@ from tfx.ops import dropout as dropout_ops
 from tfx.ops import hoisting
 from tfx.ops.flash_dropout import fused_dropout_attention
 from tfx.ops.target import whole_positional_table
-from tfx.nn.layers import DenseGeneral, Dropout, Mlp, ModelConfig, Norm, add_bias, constrain, take_rows
+from tfx.nn.layers import (DenseGeneral, Dropout, Mlp, ModelConfig, Norm, add_bias, constrain, rows_together,
+                           take_rows)
 
 
 class RelBiases(NamedTuple):
@@ -552,10 +553,7 @@ class XLNetLayer(nn.Module):
     ffn = lambda x: norm(x + drop(mlp(x)))
     if h is None or g is None:
       return (None if h is None else ffn(h), None if g is None else ffn(g)), new_mem
-    # the streams share the MLP: one pass over their rows side by side (run apart, XLA merges the
-    # two streams' matmuls and copies their [b, ., f] hidden layers into one buffer each way)
-    both = ffn(jnp.concatenate([h, g], axis=1))  # [b, t + n, e]
-    return (both[:, :h.shape[1]], both[:, h.shape[1]:]), new_mem
+    return rows_together(ffn, h, g), new_mem
 
 
 def cache_memory(prev: jax.Array | None, h: jax.Array, mem_len: int, reuse_len: int = 0) -> jax.Array:
