@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
 .PHONY: quickstart test test-slow test-all test-parity install install-dev install-parity bench-peer gpu-wheels \
-	tpu-libs tpu-compile gpu-libs gpu-compile bench-peer-gpu clean
+	tpu-libs tpu-compile gpu-libs gpu-compile bench-peer-gpu compile-configs clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -104,6 +104,12 @@ tpu-compile: install tpu-libs
 	JAX_PLATFORMS=cpu PYTHONPATH=$(TPU_LIBS) TPU_SKIP_MDS_QUERY=1 TPU_WORKER_HOSTNAMES=localhost \
 	  TPU_ACCELERATOR_TYPE=v5litepod-4 ALLOW_MULTIPLE_LIBTPU_LOAD=1 \
 	  $(PY) -m tfx.bench --suite accel --lower tpu --topology v5e:2x2 $(ARGS)
+
+# Every config's own step (configs/*_base.py: its dropout, attention and remat; bf16, 8 rows a device)
+# compiled here for a v5e 2x2, or for GPUs with ARGS="--topology h100" (make gpu-libs first), each in a
+# process of its own; exits 1 if any fails (benchmarks/compile_configs.py).
+compile-configs: install tpu-libs
+	$(PY) benchmarks/compile_configs.py $(ARGS)
 
 # JAX's CUDA plugin with CUDA's compiler pieces and cuDNN (about 1.7 GB), beside the venv, for the
 # train steps compiled by XLA:GPU for an H100 or H200 on this machine, which has no GPU

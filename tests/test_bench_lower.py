@@ -434,6 +434,23 @@ def test_every_family_compiles_for_tpu_on_a_three_axis_mesh_without_involuntary_
   assert "Involuntary full rematerialization" not in proc.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir(os.path.join(TPU_LIBS, "libtpu")),
+                    reason="libtpu is not installed beside the venv (make tpu-libs; make test installs it)")
+def test_attention_dropout_compiles_for_a_tpu_in_a_scanned_rematerialised_stack():
+  # XLA:TPU (this jax's libtpu) crashed with a segmentation fault in its convolution emitter compiling
+  # autodiff's backward pass of the einsum attention with dropout at BERT-base's head dim 64, 12
+  # heads and 512 tokens, in a scanned loop of two or more layers under the default remat: 8 of the
+  # 11 configs/*_base.py (BERT's, RoBERTa's, ELECTRA's, BART's, ...) could not compile for a TPU. A TPU
+  # trace runs XLA's attention with its own backward pass there (tfx.nn.attention._reference_with_dropout).
+  proc = run_with_libtpu("--config", os.path.join(ROOT, "configs", "bert_tiny.py"), "--lower", "tpu",
+                         "--topology", "v5e:2x2", "--config.model.attention_dropout=0.1", "--config.model.num_layers=3",
+                         "--config.data.seq_len=512", "--config.model.num_heads=12", "--config.model.d_model=768",
+                         "--config.model.d_ff=256")
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  assert "compiled for 4 x TPU v5 lite" in proc.stdout and "model.attention_dropout=0.1" in proc.stdout
+
+
 @pytest.mark.skipif(not os.path.isdir(os.path.join(GPU_LIBS, "jax_plugins")),
                     reason="no CUDA plugin beside the venv (make gpu-libs, 1.7 GB; make test does not install it)")
 def test_tiny_gpt2_compiles_for_an_h100_on_a_cpu(tmp_path):
@@ -450,3 +467,37 @@ def test_tiny_gpt2_compiles_for_an_h100_on_a_cpu(tmp_path):
   assert auto["kernel_calls"] == {"cudnn backward": 1, "cudnn forward": 1}  # cuDNN's own version check passed
   assert pallas["kernel_calls"] == {"triton (Pallas)": 3}  # and XLA:GPU compiled the Triton kernels
   assert auto["traffic"]["attention"] > 0 and auto["traffic"]["matmul"] > 0 and "kernels move" in proc.stdout
+
+
+def _compile_configs():
+  spec = importlib.util.spec_from_file_location("compile_configs", os.path.join(ROOT, "benchmarks", "compile_configs.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_compile_configs_reports_a_crashed_compiler_and_a_failure():
+  module = _compile_configs()
+  done = subprocess.CompletedProcess([], 0, stdout="config [defaults] for tpu: compiled for 4 x TPU v5 lite in 1.0 s\n",
+                                     stderr="")
+  assert module.outcome(done) == (True, "compiled for 4 x TPU v5 lite in 1.0 s")
+  crashed = subprocess.CompletedProcess([], -11, stdout="", stderr="*** SIGSEGV\nPC: @ 0x7f  (unknown)  xla::X()\n@ ...")
+  assert module.outcome(crashed) == (False, "CRASHED (SIGSEGV) PC: @ 0x7f  (unknown)  xla::X()")
+  failed = subprocess.CompletedProcess([], 1, stdout="config [defaults] for gpu: FAILED INTERNAL: no tile\n", stderr="")
+  assert module.outcome(failed) == (False, "FAILED (exit 1) config [defaults] for gpu: FAILED INTERNAL: no tile")
+  assert module.has_teacher(os.path.join(ROOT, "configs", "distilbert_base.py"))
+  assert not module.has_teacher(os.path.join(ROOT, "configs", "bert_base.py"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir(os.path.join(TPU_LIBS, "libtpu")),
+                    reason="libtpu is not installed beside the venv (make tpu-libs; make test installs it)")
+def test_compile_configs_compiles_each_config_in_its_own_process():
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "compile_configs.py"), "--configs",
+                         "configs/[bd][ei]*_tiny.py", "--batch-per-device", "2"], cwd=ROOT, capture_output=True,
+                        text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  lines = proc.stdout.splitlines()
+  assert [line.split(":")[0] for line in lines[:-1]] == ["bert_tiny", "distilbert_tiny"]  # its teacher: init
+  assert all("compiled for 4 x TPU v5 lite" in line for line in lines[:-1])
+  assert lines[-1] == "2 of 2 compiled for v5e:2x2"
