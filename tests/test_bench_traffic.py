@@ -325,3 +325,51 @@ ENTRY %main (qkv: bf16[4,16,2,3,8], ids: s32[4,16], buf: bf16[4,16,2,3,8]) -> bf
   assert (kernels["fwd"].read, kernels["fwd"].written) == (stacked + ids, stacked // 3)
   assert (kernels["dq"].read, kernels["dq"].written) == (stacked + ids, stacked)
   assert kernels["gemm"].read == 2 * 64 * 8 * 2
+
+
+TPU_FUSIONS = """HloModule jit_step, entry_computation_layout={()}
+
+%windowed (p0: bf16[8,64], p1: bf16[64,256], p2: bf16[8,256], p3: bf16[100,8], p4: bf16[100,32]) -> (bf16[8,256], bf16[100,8], bf16[100,32], bf16[100,32]) {
+  %p0 = bf16[8,64]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %p1 = bf16[64,256]{1,0:T(8,128)(2,1)} parameter(1)
+  %p2 = bf16[8,256]{1,0:T(8,128)(2,1)S(1)} parameter(2)
+  %dot = bf16[8,256]{1,0:T(8,128)(2,1)S(1)} convolution(%p0, %p1), dim_labels=bf_io->bf
+  %acc = bf16[8,256]{1,0:T(8,128)(2,1)S(1)} add(%p2, %dot)
+  %p3 = bf16[100,8]{0,1:T(8,128)(2,1)} parameter(3)
+  %p4 = bf16[100,32]{0,1:T(8,128)(2,1)} parameter(4)
+  %gathered = bf16[100,32]{0,1:T(8,128)(2,1)} all-gather(%p3), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={1}
+  ROOT %out = (bf16[8,256]{1,0:T(8,128)(2,1)S(1)}, bf16[100,8]{0,1:T(8,128)(2,1)}, bf16[100,32]{0,1:T(8,128)(2,1)}, bf16[100,32]{0,1:T(8,128)(2,1)}) tuple(%acc, %p3, %p4, %gathered)
+}
+
+%spilled (q0: f32[8,256], q1: f32[8,256]) -> f32[8,256] {
+  %q0 = f32[8,256]{1,0:T(8,128)S(1)} parameter(0)
+  %q1 = f32[8,256]{1,0:T(8,128)} parameter(1)
+  ROOT %sum = f32[8,256]{1,0:T(8,128)} add(%q0, %q1)
+}
+
+ENTRY %main (x: bf16[8,64], w: bf16[64,256], a: bf16[8,256], s: bf16[100,8], g: bf16[100,32], f: f32[8,256]) -> f32[8,256] {
+  %x = bf16[8,64]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %w = bf16[64,256]{1,0:T(8,128)(2,1)} parameter(1)
+  %a = bf16[8,256]{1,0:T(8,128)(2,1)S(1)} parameter(2)
+  %s = bf16[100,8]{0,1:T(8,128)(2,1)} parameter(3)
+  %g = bf16[100,32]{0,1:T(8,128)(2,1)} parameter(4)
+  %f = f32[8,256]{1,0:T(8,128)S(1)} parameter(5)
+  %step = (bf16[8,256]{1,0:T(8,128)(2,1)S(1)}, bf16[100,8]{0,1:T(8,128)(2,1)}, bf16[100,32]{0,1:T(8,128)(2,1)}, bf16[100,32]{0,1:T(8,128)(2,1)}) fusion(%x, %w, %a, %s, %g), kind=kOutput, calls=%windowed
+  %h = f32[8,256]{1,0:T(8,128)} copy(%f)
+  ROOT %out = f32[8,256]{1,0:T(8,128)} fusion(%f, %h), kind=kLoop, calls=%spilled
+}
+"""
+
+
+def test_on_chip_buffers_and_a_fusions_collective_move_nothing_through_hbm():
+  """XLA:TPU's on-chip memory (`S(1)`) is not HBM: a windowed matmul's step reads only its HBM weight
+  block and accumulates in on-chip memory; the all-gather it carries along (its shard and its
+  result handed on through the fusion's outputs) is interconnect traffic; a copy out of on-chip
+  memory writes HBM, and a fusion reading both reads the HBM operand alone."""
+  assert bench_traffic.memory_bytes("bf16[8,64]{1,0:T(8,128)(2,1)S(1)}") == 0
+  assert bench_traffic.memory_bytes("(bf16[8,64]{1,0:T(8,128)(2,1)S(1)}, f32[4]{0}, s32[]{:S(2)})") == 16
+  assert bench_traffic.memory_bytes("bf16[8,64]{1,0:S(0)}") == bench_traffic.shape_bytes("bf16[8,64]") == 1024
+  kernels = {k.name: k for k in bench_traffic.kernels(TPU_FUSIONS)}
+  assert kernels["step"] == bench_traffic.Kernel("step", "matmul", 1, 64 * 256 * 2, 0)
+  assert kernels["h"] == bench_traffic.Kernel("h", "copy", 1, 0, 8 * 256 * 4)
+  assert kernels["out"] == bench_traffic.Kernel("out", "fusion", 1, 8 * 256 * 4, 8 * 256 * 4)
