@@ -187,8 +187,9 @@ def _sliced_read(body: dict[str, Instruction], name: str) -> int | None:
 
 
 def _integer_bytes(shape: str) -> int:
-  """Bytes of the integer arrays (s32[...], u8[...]; not pred) in an HLO shape."""
-  return sum(shape_bytes(f"{dtype}[{dims}]") for dtype, dims in _ARRAY.findall(shape) if dtype[0] in "su")
+  """Bytes of the integer arrays (s32[...], u8[...]; not pred) of an HLO shape in HBM (`memory_bytes`)."""
+  return sum(memory_bytes(f"{dtype}[{dims}]{layout}") for dtype, dims, layout in _LAID_OUT.findall(shape)
+             if dtype[0] in "su")
 
 
 def _through_bitcasts(body: dict[str, Instruction], name: str) -> str:
