@@ -442,7 +442,7 @@ def test_attention_dropout_compiles_for_a_tpu_in_a_scanned_rematerialised_stack(
   # autodiff's backward pass of the einsum attention with dropout at BERT-base's head dim 64, 12
   # heads and 512 tokens, in a scanned loop of two or more layers under the default remat: 8 of the
   # 11 configs/*_base.py (BERT's, RoBERTa's, ELECTRA's, BART's, ...) could not compile for a TPU. A TPU
-  # trace runs XLA's attention with its own backward pass there (tfx.nn.attention._reference_with_dropout).
+  # trace runs XLA's attention with its own backward pass there (tfx.ops.target.autodiff_attention_dropout).
   proc = run_with_libtpu("--config", os.path.join(ROOT, "configs", "bert_tiny.py"), "--lower", "tpu",
                          "--topology", "v5e:2x2", "--config.model.attention_dropout=0.1", "--config.model.num_layers=3",
                          "--config.data.seq_len=512", "--config.model.num_heads=12", "--config.model.d_model=768",

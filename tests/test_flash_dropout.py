@@ -80,7 +80,7 @@ def test_cross_attention_kernel_is_xla_attention_dropping_the_same_scores(monkey
   """A cross attention (48 decoder queries over 32 encoder keys, packed and padded on both sides):
   the kernel's output and q/k/v gradients equal XLA's attention over the `CrossMask` dropping the
   same scores, which is what a model's attention runs without the kernel
-  (`tfx.nn.attention._reference_with_dropout`); each query's output depends on the keys and
+  (`tfx.nn.attention.xla_dropout_attention`); each query's output depends on the keys and
   values of its own document only; a decoder document with no encoder keys (id 3 here) and the
   padding queries give zeros and send no gradient anywhere."""
   rng = np.random.default_rng(5)
@@ -95,7 +95,7 @@ def test_cross_attention_kernel_is_xla_attention_dropping_the_same_scores(monkey
   kw = dict(causal=False, scale=0.25, rate=rate, seed=seed, key_segment_ids=k_ids)
   kernel = lambda q, k, v: fd.dropout_flash_attention(q, k, v, q_ids, **kw)
   xla = lambda q, k, v: reference(q, k, v, q_ids, **kw)
-  model_path = lambda q, k, v: nn_attention._reference_with_dropout(
+  model_path = lambda q, k, v: nn_attention.xla_dropout_attention(
       q, k, v, ops.rows_mask(q_ids, k_ids).dense(), None, 0.25, rate, key)
   grads = lambda fn: jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * cot), argnums=(0, 1, 2)))
 

@@ -66,12 +66,15 @@ def memory_bytes(shape: str) -> int:
   names no memory space or space 0. XLA:TPU places buffers in its on-chip memory (`S(1)`, VMEM:
   memory-space assignment) and scalars and semaphores in others (`S(2)`, `S(4)`, `S(6)`); a
   kernel's reads and writes there move nothing through HBM."""
-  total = 0
+  return sum(size for _, size in _in_memory(shape))
+
+
+def _in_memory(shape: str):
+  """(dtype, bytes) of each array of an HLO shape in device memory (see `memory_bytes`)."""
   for dtype, dims, layout in _LAID_OUT.findall(shape):
     space = _MEMORY_SPACE.search(layout.split(":", 1)[1]) if ":" in layout else None
     if space is None or space.group(1) == "0":
-      total += shape_bytes(f"{dtype}[{dims}]")
-  return total
+      yield dtype, shape_bytes(f"{dtype}[{dims}]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,8 +191,7 @@ def _sliced_read(body: dict[str, Instruction], name: str) -> int | None:
 
 def _integer_bytes(shape: str) -> int:
   """Bytes of the integer arrays (s32[...], u8[...]; not pred) of an HLO shape in HBM (`memory_bytes`)."""
-  return sum(memory_bytes(f"{dtype}[{dims}]{layout}") for dtype, dims, layout in _LAID_OUT.findall(shape)
-             if dtype[0] in "su")
+  return sum(size for dtype, size in _in_memory(shape) if dtype[0] in "su")
 
 
 def _through_bitcasts(body: dict[str, Instruction], name: str) -> str:

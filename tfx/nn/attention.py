@@ -94,7 +94,7 @@ class Attention(nn.Module):
       out, _ = fused_dropout_attention(q, k, v, mask, bias, scale, dropout, rng, cfg.attention,
                                        qkv=None if self.decode else qkv)  # logs its choice
       if out is None:
-        out = _reference_with_dropout(q, k, v, ops.dense_mask(mask), bias, scale, dropout, rng)
+        out = xla_dropout_attention(q, k, v, ops.dense_mask(mask), bias, scale, dropout, rng)
     else:
       out = ops.dot_product_attention(q, k, v, mask=mask, bias=bias, scale=scale, implementation=cfg.attention)
     out = constrain(out, ("act_batch", "act_length", "act_heads", "act_kv"))  # [b, t, h, d]
@@ -125,23 +125,23 @@ class Attention(nn.Module):
     return cached_k.value, cached_v.value, mask
 
 
+def xla_dropout_attention(q, k, v, mask, bias, scale, rate, rng):
+  """XLA's attention with dropout (where the Pallas kernel does not run): `_reference_with_dropout`,
+  or on a TPU `ops.attention.softmax_attention` (`tfx.ops.target.autodiff_attention_dropout`); the
+  same function and keep bits either way. mask [b|1, 1|h, t, s] bool or None."""
+  if target.autodiff_attention_dropout():
+    return _reference_with_dropout(q, k, v, mask, bias, scale, rate, rng)
+  return ops.attention.softmax_attention(q, k, v, mask, bias, scale, dropout_rate=rate, seed=dropout_ops.seed(rng))
+
+
 def _reference_with_dropout(q, k, v, mask, bias, scale, rate, rng):
   """Einsum attention with dropout on the probabilities (where the Pallas dropout kernel cannot
   run: `tfx.ops.flash_dropout`), dropping the scores the kernel would (`tfx.ops.dropout.keep_bits`
   of [b, h, t, s]; drawn again in the backward pass, not stored). Autodiff's backward pass: for
   BART's cross attention compiled for an H100 it moves 6.6 GB a step less than
   `ops.attention.softmax_attention`'s own (BERT-base's and BART-base's own steps at 32 rows: 79.6
-  and 123.2 GB against 91.6 and 142.3).
-
-  On a TPU, `softmax_attention` (the same function and keep bits, its own backward pass) instead:
-  XLA:TPU (libtpu 0.0.42, the one jax 0.10's [tpu] extra pins) crashed with a segmentation fault
-  in `FusedSpatialMajorConvolution::MakeConvWindows` compiling autodiff's backward pass inside a
-  rematerialised, scanned stack of two or more layers at head dim 64, 12 heads and 512 tokens:
-  8 of the 11 configs/*_base.py (every one with attention dropout but XLNet's, which runs
-  `softmax_attention` already) did not compile for a v5e 2x2 (`make compile-configs`;
-  `test_attention_dropout_compiles_for_a_tpu_in_a_scanned_rematerialised_stack`)."""
-  if target.backend() == "tpu":
-    return ops.attention.softmax_attention(q, k, v, mask, bias, scale, dropout_rate=rate, seed=dropout_ops.seed(rng))
+  and 123.2 GB against 91.6 and 142.3). Not on a TPU, whose compiler crashes on it
+  (`xla_dropout_attention`)."""
   scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) * scale
   if bias is not None:
     scores = scores + bias

@@ -209,3 +209,16 @@ def whole_positional_table() -> bool:
   7.61 GiB), so not there; XLA:CPU not looked at.
   """
   return backend() == "gpu"
+
+
+def autodiff_attention_dropout() -> bool:
+  """Whether a model's attention with dropout, where the Pallas kernel does not run, is einsum
+  attention with autodiff's backward pass (`tfx.nn.attention._reference_with_dropout`: on an H100
+  it moves fewer bytes, BERT-base's own step at 32 rows 79.6 against 91.6 GB) rather than
+  `tfx.ops.attention.softmax_attention` with its own (the same function and keep bits). Not on a
+  TPU: XLA:TPU (libtpu 0.0.42, jax 0.10's pin) crashed with a segmentation fault in
+  `FusedSpatialMajorConvolution::MakeConvWindows` compiling autodiff's form inside a
+  rematerialised, scanned stack of two or more layers at head dim 64, 12 heads and 512 tokens: 8 of
+  the 11 configs/*_base.py did not compile for a v5e 2x2 (stop 67; `make compile-configs`).
+  """
+  return backend() != "tpu"
