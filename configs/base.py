@@ -120,6 +120,13 @@ def get_config() -> ml_collections.ConfigDict:
   # skips the key blocks of the other documents. A batch with a row of more runs than this (or a
   # document split over two runs) attends with the mask instead. 0 = always the mask.
   c.model.packed_runs = 0
+  # Causal self-attention on XLA's path (a CPU, a TPU without splash, a GPU without cuDNN or Pallas)
+  # cut into this many query blocks, each attending only the keys up to its last row, so that the
+  # scores above the diagonal blocks are never computed (4 blocks: 5/8 of them); 0 = automatic (4
+  # from 256 tokens, 1 below: each block is a kernel of its own, compiled), 1 = none. The same
+  # function up to float32 rounding (a resume may change it). cuDNN and the Pallas and splash
+  # kernels skip those blocks themselves.
+  c.model.causal_blocks = 0
   # Fuse the output projection with the token loss (the objectives that predict tokens from the final
   # hidden states: causal, prefix and span-corruption LMs, text infilling, UL2): each row is cut into
   # chunks of this many tokens, and each chunk's [b, chunk, vocab] logits, loss and gradients are

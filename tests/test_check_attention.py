@@ -90,11 +90,11 @@ def test_a_wrong_kernel_fails_the_check(cases, monkeypatch, capsys, tmp_path):
   key take the mean of V fails on those rows; the command prints every case, writes its JSON,
   exits non-zero and names the failures."""
   real = attn.softmax_attention
-  monkeypatch.setattr(attn, "softmax_attention", lambda q, k, v, mask, bias, scale: real(q, k, v, None, bias, scale))
+  monkeypatch.setattr(attn, "softmax_attention", lambda q, k, v, mask, bias, scale, **kw: real(q, k, v, None, bias, scale))
   results = check_attention.run_checks(cases[:2], ("xla",))
   assert not any(r["ok"] for r in results) and all(r["out"] > 0.05 for r in results)
 
-  def leaky(q, k, v, mask, bias, scale):  # the reference softmax: a row with no key averages V
+  def leaky(q, k, v, mask, bias, scale, **_):  # the reference softmax: a row with no key averages V
     return attn.reference_attention(q, k, v, mask=mask, bias=bias, scale=scale)
 
   monkeypatch.setattr(attn, "softmax_attention", leaky)

@@ -47,6 +47,7 @@ VARIANTS = [
     ("--config.model.position=rotary", "--config.model.norm=post", "--config.model.mlp=swiglu"),
     ("--config.model.position=sinusoidal", "--config.model.scan_layers=false", "--config.model.norm_type=rmsnorm",
      "--config.model.tie_embeddings=false", "--config.model.remat=full"),
+    ("--config.model.position=rotary", "--config.model.causal_blocks=4"),  # the queries in blocks (16 rows: 2)
 ]
 
 
@@ -75,7 +76,7 @@ def test_logits_depend_only_on_the_past_of_the_same_document(variant):
         assert influence[j] > 0.0
 
 
-@pytest.mark.parametrize("variant", VARIANTS[:2])
+@pytest.mark.parametrize("variant", VARIANTS[:2] + VARIANTS[3:])
 def test_packed_equals_unpacked(variant):
   """Per-document loss of a packed row equals the loss of each document run alone."""
   model, params = make_model(*variant, length=24)

@@ -32,14 +32,18 @@ FAST_COMPILE = "--xla_backend_optimization_level=0"
 # [vocab, e] (GPT-2) and untied [e, vocab] (T5) kernels, the vocab sharded by tensor parallelism.
 FUSED_LOSS = ["--config.model.loss_chunk=16"]
 FUSED_MESHES = ["8,1,1", "2,2,2"]
+# The causal self-attention in query blocks (model.causal_blocks; rows of 64: 4 blocks of 16).
+CAUSAL_BLOCKS = ["--config.model.causal_blocks=4"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config_name, overrides, meshes, steps, xla_flags", [
     ("tiny.py", [], MESHES, 4, ""), ("tiny.py", ENCODER_MLM, MESHES, 4, ""), ("tiny.py", T5_SPANS, MESHES, 4, ""),
     ("xlnet_tiny.py", XLNET_PLM, XLNET_MESHES, 3, FAST_COMPILE),
-    ("tiny.py", FUSED_LOSS, FUSED_MESHES, 4, FAST_COMPILE), ("tiny.py", T5_SPANS + FUSED_LOSS, FUSED_MESHES, 4, FAST_COMPILE)],
-    ids=["decoder_clm", "encoder_mlm", "t5_spans", "xlnet_plm", "decoder_clm_fused_loss", "t5_spans_fused_loss"])
+    ("tiny.py", FUSED_LOSS, FUSED_MESHES, 4, FAST_COMPILE), ("tiny.py", T5_SPANS + FUSED_LOSS, FUSED_MESHES, 4, FAST_COMPILE),
+    ("tiny.py", CAUSAL_BLOCKS, FUSED_MESHES, 4, FAST_COMPILE)],
+    ids=["decoder_clm", "encoder_mlm", "t5_spans", "xlnet_plm", "decoder_clm_fused_loss", "t5_spans_fused_loss",
+         "decoder_clm_causal_blocks"])
 def test_mesh_invariance(tmp_path, shared_tokenizer, config_name, overrides, meshes, steps, xla_flags):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()  # the worker adds the device count

@@ -363,6 +363,9 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int, process_cou
   elif m.get("packed_runs", 0) and m.family in ("encoder_decoder", "xlnet"):
     problems.append(f"model.packed_runs={m.packed_runs}: cuDNN's packed layout serves the self-attention of the "
                     f"decoder and encoder families; the {m.family} family's masks do not take it, so set it to 0")
+  if m.get("causal_blocks", 0) < 0:
+    problems.append(f"model.causal_blocks={m.causal_blocks} must be >= 0 (query blocks of XLA's causal "
+                    "self-attention; 0 = automatic, 1 = none)")
   if m.get("scan_unroll", -1) < -1:
     problems.append(f"model.scan_unroll={m.scan_unroll} must be >= -1 (layers per scanned iteration; 0 = all, "
                     "-1 = all on a GPU and one elsewhere)")

@@ -94,9 +94,12 @@ class Attention(nn.Module):
       out, _ = fused_dropout_attention(q, k, v, mask, bias, scale, dropout, rng, cfg.attention,
                                        qkv=None if self.decode else qkv)  # logs its choice
       if out is None:
-        out = xla_dropout_attention(q, k, v, ops.dense_mask(mask), bias, scale, dropout, rng)
+        causal = isinstance(mask, (ops.SegmentMask, ops.LengthMask)) and mask.causal
+        out = xla_dropout_attention(q, k, v, ops.dense_mask(mask), bias, scale, dropout, rng,
+                                    causal_blocks=cfg.causal_blocks if causal else 1)
     else:
-      out = ops.dot_product_attention(q, k, v, mask=mask, bias=bias, scale=scale, implementation=cfg.attention)
+      out = ops.dot_product_attention(q, k, v, mask=mask, bias=bias, scale=scale, implementation=cfg.attention,
+                                      causal_blocks=cfg.causal_blocks)
     out = constrain(out, ("act_batch", "act_length", "act_heads", "act_kv"))  # [b, t, h, d]
     return DenseGeneral(
         (h, d), (e,), ("heads", "kv", "embed"),
@@ -125,13 +128,15 @@ class Attention(nn.Module):
     return cached_k.value, cached_v.value, mask
 
 
-def xla_dropout_attention(q, k, v, mask, bias, scale, rate, rng):
+def xla_dropout_attention(q, k, v, mask, bias, scale, rate, rng, *, causal_blocks: int = 1):
   """XLA's attention with dropout (where the Pallas kernel does not run): `_reference_with_dropout`,
-  or on a TPU `ops.attention.softmax_attention` (`tfx.ops.target.autodiff_attention_dropout`); the
-  same function and keep bits either way. mask [b|1, 1|h, t, s] bool or None."""
+  or on a TPU `ops.attention.softmax_attention` (`tfx.ops.target.autodiff_attention_dropout`), with
+  its query blocks for a causal mask (`causal_blocks`, 1 for any other); the same function and keep
+  bits either way. mask [b|1, 1|h, t, s] bool or None."""
   if target.autodiff_attention_dropout():
     return _reference_with_dropout(q, k, v, mask, bias, scale, rate, rng)
-  return ops.attention.softmax_attention(q, k, v, mask, bias, scale, dropout_rate=rate, seed=dropout_ops.seed(rng))
+  return ops.attention.softmax_attention(q, k, v, mask, bias, scale, dropout_rate=rate, seed=dropout_ops.seed(rng),
+                                         causal_blocks=causal_blocks)
 
 
 def _reference_with_dropout(q, k, v, mask, bias, scale, rate, rng):

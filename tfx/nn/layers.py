@@ -61,6 +61,7 @@ class ModelConfig:
   remat: str = "none"
   attention: str = "auto"
   packed_runs: int = 0  # cuDNN's packed layout for packed rows of at most this many runs of one id (0 = the mask)
+  causal_blocks: int = 0  # query blocks of XLA's causal self-attention (0 = automatic, 1 = none)
   loss_chunk: int = 0  # tokens per row per chunk of the fused output projection + loss (0 = logits materialised)
   init_std: float = 0.02
   norm_eps: float = 1e-6

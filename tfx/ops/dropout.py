@@ -71,9 +71,12 @@ def seed(rng: jax.Array) -> jax.Array:
 
 
 def keep_bits(seed: jax.Array, shape: tuple[int, ...], rate: float, first_row: int | jax.Array = 0,
-              first_head: int | jax.Array = 0) -> jax.Array:
+              first_head: int | jax.Array = 0, first_query: int = 0, columns: int | None = None) -> jax.Array:
   """bool [*shape]: the keep bits of an array of `shape` under `seed` (uint32 scalar), for the
-  rows first_row.. and heads first_head.. of the whole array (a shard's offsets; 0 for a whole one).
+  rows first_row.. and heads first_head.. of the whole array (a shard's offsets; 0 for a whole one),
+  and for an array of three or more axes the queries first_query.. and the first shape[-1] of
+  `columns` keys (a block of the attention's [b, h, t, s] probabilities: `columns` is the whole s;
+  None: shape[-1]).
 
   Coordinates: an array of three or more axes [b, *heads, t, s] (attention probabilities [b, h, t,
   s], hidden states [b, t, e]) has a stream key per (row b, heads flattened) and counts t * s + s
@@ -82,6 +85,8 @@ def keep_bits(seed: jax.Array, shape: tuple[int, ...], rate: float, first_row: i
   if not shape:
     raise ValueError("dropout needs an array of at least one axis")
   n_tail = 2 if len(shape) >= 3 else 1
+  if n_tail == 1 and (first_query or columns is not None):
+    raise ValueError(f"a block's query offset and columns need an array of three or more axes, got {shape}")
   lead = shape[:-n_tail]
   iota = lambda axis: lax.broadcasted_iota(jnp.int32, shape, axis)
   row = first_row + (iota(0) if lead else 0)
@@ -89,9 +94,10 @@ def keep_bits(seed: jax.Array, shape: tuple[int, ...], rate: float, first_row: i
   for axis in range(1, len(lead)):
     head = head * shape[axis] + iota(axis)
   head = first_head + head
-  counter = 0
-  for axis in range(len(lead), len(shape)):
-    counter = counter * shape[axis] + iota(axis)
+  counter = iota(len(shape) - 1)
+  if n_tail == 2:  # query * columns + key
+    query = iota(len(shape) - 2) + first_query if first_query else iota(len(shape) - 2)
+    counter = query * (shape[-1] if columns is None else columns) + counter
   return kept(stream(seed, row, head), 0, counter, 1, threshold(rate))
 
 
