@@ -135,3 +135,30 @@ def test_a_decoder_in_blocks_is_the_same_function():
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
   for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])
+def test_attention_dropout_in_blocks_drops_what_one_block_drops(platform):
+  """The model's XLA attention with dropout (`tfx.nn.attention.xla_dropout_attention`: autodiff's
+  einsum attention off a TPU, `softmax_attention` traced for one) in 4 query blocks against 1: the
+  same values and q, k, v gradients (so the same keep bits), and fewer scores computed."""
+  from tfx.nn.attention import xla_dropout_attention
+  from tfx.ops import target
+
+  rng = np.random.default_rng(6)
+  b, t, h, d = 2, 64, 4, 8
+  q, k, v = (jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32) for _ in range(3))
+  mask = ops.SegmentMask(_packed_ids(rng, b, t), causal=True).dense()
+  cot = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+  key = jax.random.key(2)
+
+  def f(blocks):
+    return lambda q, k, v: jnp.sum(xla_dropout_attention(q, k, v, mask, None, 0.3, 0.2, key, causal_blocks=blocks) * cot)
+
+  with target.lowering_for(platform):
+    want = jax.jit(jax.value_and_grad(f(1), argnums=(0, 1, 2)))(q, k, v)
+    got = jax.jit(jax.value_and_grad(f(4), argnums=(0, 1, 2)))(q, k, v)
+    largest = [_largest_product(jax.make_jaxpr(jax.grad(f(n), argnums=(0, 1, 2)))(q, k, v)) for n in (1, 4)]
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
+  assert largest[0] == b * h * t * t and largest[1] < b * h * t * t

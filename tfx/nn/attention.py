@@ -130,19 +130,23 @@ class Attention(nn.Module):
 
 def xla_dropout_attention(q, k, v, mask, bias, scale, rate, rng, *, causal_blocks: int = 1):
   """XLA's attention with dropout (where the Pallas kernel does not run): `_reference_with_dropout`,
-  or on a TPU `ops.attention.softmax_attention` (`tfx.ops.target.autodiff_attention_dropout`), with
-  its query blocks for a causal mask (`causal_blocks`, 1 for any other); the same function and keep
-  bits either way. mask [b|1, 1|h, t, s] bool or None."""
+  or on a TPU `ops.attention.softmax_attention` (`tfx.ops.target.autodiff_attention_dropout`), either
+  in query blocks for a causal mask (`causal_blocks`, 1 for any other:
+  `ops.attention.in_causal_blocks`); the same function and keep bits either way. mask [b|1, 1|h, t,
+  s] bool or None."""
   if target.autodiff_attention_dropout():
-    return _reference_with_dropout(q, k, v, mask, bias, scale, rate, rng)
+    seed = dropout_ops.seed(rng)
+    attend = lambda q, k, v, mask, bias, block: _reference_with_dropout(q, k, v, mask, bias, scale, rate, seed, block)
+    return ops.attention.in_causal_blocks(attend, q, k, v, mask, bias, causal_blocks)
   return ops.attention.softmax_attention(q, k, v, mask, bias, scale, dropout_rate=rate, seed=dropout_ops.seed(rng),
                                          causal_blocks=causal_blocks)
 
 
-def _reference_with_dropout(q, k, v, mask, bias, scale, rate, rng):
+def _reference_with_dropout(q, k, v, mask, bias, scale, rate, seed, block):
   """Einsum attention with dropout on the probabilities (where the Pallas dropout kernel cannot
   run: `tfx.ops.flash_dropout`), dropping the scores the kernel would (`tfx.ops.dropout.keep_bits`
-  of [b, h, t, s]; drawn again in the backward pass, not stored). Autodiff's backward pass: for
+  of [b, h, t, s] under `seed`, at `block` (first query, columns) of the whole array for a query
+  block: `tfx.ops.dropout.dropout`; drawn again in the backward pass, not stored). Autodiff's backward pass: for
   BART's cross attention compiled for an H100 it moves 6.6 GB a step less than
   `ops.attention.softmax_attention`'s own (BERT-base's and BART-base's own steps at 32 rows: 79.6
   and 123.2 GB against 91.6 and 142.3). Not on a TPU, whose compiler crashes on it
@@ -153,7 +157,7 @@ def _reference_with_dropout(q, k, v, mask, bias, scale, rate, rng):
   if mask is not None:
     scores = hoisting.where(mask, scores, ops.MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1)  # [b, h, t, s]
-  probs = dropout_ops.dropout(probs, dropout_ops.seed(rng), rate).astype(v.dtype)
+  probs = dropout_ops.dropout(probs, seed, rate, block).astype(v.dtype)
   out = jnp.einsum("bhts,bshd->bthd", probs, v)
   if mask is not None:
     ok = jnp.moveaxis(ops.rows_attend(mask), 1, 2)[..., None]

@@ -271,12 +271,22 @@ def softmax_attention(q, k, v, mask, bias, scale, *, dropout_rate: float = 0.0, 
   """
   if seed is None or not dropout_rate:
     seed, dropout_rate = None, 0.0
+  attend = lambda q, k, v, mask, bias, block: _attention(q, k, v, mask, bias, seed, float(scale),
+                                                         float(dropout_rate), block)
+  return in_causal_blocks(attend, q, k, v, mask, bias, causal_blocks)
+
+
+def in_causal_blocks(attend, q, k, v, mask, bias, blocks: int) -> jax.Array:
+  """`attend(q, k, v, mask, bias, block)` [b, t, h, d] of a causal self-attention run on each of its
+  query blocks (`causal_block_bounds(t, blocks)`; one for blocks=1 or t != s) over the keys up to
+  the block's last row, the outputs concatenated. `block` is (first query, s) for the dropout's
+  keep bits (`tfx.ops.dropout.keep_bits`), (0, 0) for a single block."""
   t, s = q.shape[1], k.shape[1]
-  bounds = causal_block_bounds(t, causal_blocks) if causal_blocks != 1 and t == s else ((0, t),)
+  bounds = causal_block_bounds(t, blocks) if blocks != 1 and t == s else ((0, t),)
   if len(bounds) == 1:
-    return _attention(q, k, v, mask, bias, seed, float(scale), float(dropout_rate), (0, 0))
-  outs = [_attention(q[:, first:end], k[:, :end], v[:, :end], _query_block(mask, first, end),
-                     _query_block(bias, first, end), seed, float(scale), float(dropout_rate), (first, s))
+    return attend(q, k, v, mask, bias, (0, 0))
+  outs = [attend(q[:, first:end], k[:, :end], v[:, :end], _query_block(mask, first, end),
+                 _query_block(bias, first, end), (first, s))
           for first, end in bounds]  # [b, end - first, h, d] each
   return jnp.concatenate(outs, axis=1)
 

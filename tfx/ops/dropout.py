@@ -101,29 +101,33 @@ def keep_bits(seed: jax.Array, shape: tuple[int, ...], rate: float, first_row: i
   return kept(stream(seed, row, head), 0, counter, 1, threshold(rate))
 
 
-def _apply(x: jax.Array, seed: jax.Array, rate: float) -> jax.Array:
+def _apply(x: jax.Array, seed: jax.Array, rate: float, block: tuple[int, int]) -> jax.Array:
   scale = 1.0 / keep_probability(rate)
-  return hoisting.where(keep_bits(seed, x.shape, rate), x * scale, 0.0)
+  first, columns = block
+  keep = keep_bits(seed, x.shape, rate, first_query=first, columns=columns or None)
+  return hoisting.where(keep, x * scale, 0.0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def dropout(x: jax.Array, seed: jax.Array, rate: float) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def dropout(x: jax.Array, seed: jax.Array, rate: float, block: tuple[int, int] = (0, 0)) -> jax.Array:
   """x [..., n] with the entries `keep_bits(seed, x.shape, rate)` drops zeroed and the others
-  scaled by 1 / P(keep) (`keep_probability`), in x's dtype; 0 < rate < 1. Its gradient draws the
-  bits again from the seed (behind an optimization barrier, so that XLA cannot merge the two
-  draws into one stored mask)."""
-  return _apply(x, seed, rate)
+  scaled by 1 / P(keep) (`keep_probability`), in x's dtype; 0 < rate < 1. `block` (first query,
+  columns): x is the block of attention probabilities [b, h, t, s] at the queries first.. and the
+  first s of `columns` keys, dropped as that part of the whole array; (0, 0): x is whole. Its
+  gradient draws the bits again from the seed (behind an optimization barrier, so that XLA cannot
+  merge the two draws into one stored mask)."""
+  return _apply(x, seed, rate, block)
 
 
-def _dropout_fwd(x, seed, rate):
-  return _apply(x, seed, rate), seed
+def _dropout_fwd(x, seed, rate, block):
+  return _apply(x, seed, rate, block), seed
 
 
-def _dropout_bwd(rate, seed, g):
+def _dropout_bwd(rate, block, seed, g):
   # The bits drawn again where the gradient is formed. Tried and dropped (compiled for an H100,
   # 32 rows): the bits kept as a bool mask behind a barrier (BART-base 87.9 GB a step but 0.9 GiB
   # more memory, the mask drawn early and held; BERT-base 47.4 against 46.7 GB).
-  return _apply(g, lax.optimization_barrier(seed), rate), None
+  return _apply(g, lax.optimization_barrier(seed), rate, block), None
 
 
 dropout.defvjp(_dropout_fwd, _dropout_bwd)
