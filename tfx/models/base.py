@@ -155,7 +155,7 @@ class Family(nn.Module):
       kernel = embed.embedding  # [v, e]
     else:
       projection = DenseGeneral((cfg.d_model,), (cfg.vocab_size,), ("embed", "vocab"), use_bias=False,
-                                init_std=cfg.init_std, dtype=cfg.compute_dtype, name="lm_head")
+                                init_std=cfg.init_std, dtype=cfg.compute_dtype, head=True, name="lm_head")
       kernel = projection(None, weights_only=True)[0]  # [e, v]
     output_bias = None
     if bias:
