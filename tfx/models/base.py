@@ -152,10 +152,10 @@ class Family(nn.Module):
     if cfg.tie_embeddings:
       if cfg.scale_tied_logits:
         x = x * jnp.asarray(cfg.d_model**-0.5, x.dtype)
-      kernel = embed.embedding  # [v, e]
+      kernel = embed.table()  # [v, e]
     else:
       projection = DenseGeneral((cfg.d_model,), (cfg.vocab_size,), ("embed", "vocab"), use_bias=False,
-                                init_std=cfg.init_std, dtype=cfg.compute_dtype, head=True, name="lm_head")
+                                init_std=cfg.init_std, dtype=cfg.compute_dtype, name="lm_head")
       kernel = projection(None, weights_only=True)[0]  # [e, v]
     output_bias = None
     if bias:

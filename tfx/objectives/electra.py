@@ -40,7 +40,7 @@ import optax
 
 from tfx import flops, ops
 from tfx.nn import DenseGeneral, Stack, make_norm
-from tfx.nn.layers import GATED, ModelConfig, activation, add_bias, head_gradient_axes, project
+from tfx.nn.layers import GATED, ModelConfig, activation, add_bias, gathered, project
 from tfx.objectives.base import Objective, Predictions, flat_positions, split_params
 from tfx.objectives.masked_lm import mask_tokens, prediction_slots, selected_positions
 from tfx.registry import OBJECTIVES
@@ -87,8 +87,7 @@ class Generator(nn.Module):
     h = make_norm(cfg, "head_norm")(act(h))
     bias = self.param("output_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
                       (table.shape[0],), jnp.float32)
-    # [b, t, v]; the table's gradient in float32, whole over its embed dim (`head_gradient_axes`)
-    logits = project(h.astype(cfg.compute_dtype), table, True, 1, head_gradient_axes(("vocab", "embed")))
+    logits = project(h.astype(cfg.compute_dtype), gathered(table, ("vocab", "embed")), True)  # [b, t, v]; the table's gradient in float32
     return add_bias(logits, bias)
 
 
