@@ -258,16 +258,33 @@ def broadcast_param(param: jax.Array, shape: tuple[int, ...], dtype: Dtype) -> j
   return add_bias(jnp.zeros(shape, dtype), param)
 
 
-def gathered(param: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+def gathered(param: jax.Array, axes: tuple[str | None, ...], dtype: Dtype) -> jax.Array:
   """A weight with logical `axes` as its matmul or lookup reads it: its FSDP-sharded `embed` dim
   gathered (its other dims sharded as before: tensor parallelism's stay), as FSDP does for every
-  weight before it is used. The transpose of the constraint lays the gradient out the same way, so
-  each device computes its whole partial product once and the partitioner reduce-scatters it into
-  the parameter's shards. Left to itself, XLA:TPU ran each FSDP matmul as a windowed loop over the
-  weight's shards that read and wrote its [tokens, out] accumulator (or, for the head's gradient,
-  read the whole [b, t, vocab] gradient) once per shard: GPT-2-small with 16-way FSDP on a v5e 4x4,
-  81.3 -> 47.3 GB a step and 9.38 -> 7.57 GiB a chip. A no-op outside a mesh."""
-  return constrain(param, tuple(None if a == "embed" else a for a in axes))
+  weight before it is used, in `dtype` (the compute dtype its reader casts it to: a bf16 model
+  gathers bf16; the values come back in the parameter's dtype, exactly). Its gradient is laid out
+  the same way, in the parameter's dtype (float32: not rounded), so each device computes its whole
+  partial product once and the partitioner reduce-scatters it into the parameter's shards. Left to
+  itself, XLA:TPU ran each FSDP matmul as a windowed loop over the weight's shards that read and
+  wrote its [tokens, out] accumulator (or, for the head's gradient, read the whole [b, t, vocab]
+  gradient) once per shard. A no-op outside a mesh."""
+  return _gathered(param, tuple(None if a == "embed" else a for a in axes), jnp.dtype(dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gathered(param, axes, dtype):
+  return constrain(param.astype(dtype), axes).astype(param.dtype)
+
+
+def _gathered_fwd(param, axes, dtype):
+  return _gathered(param, axes, dtype), None
+
+
+def _gathered_bwd(axes, dtype, _, g):
+  return (constrain(g, axes),)
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 
 class DenseGeneral(nn.Module):
@@ -304,8 +321,8 @@ class DenseGeneral(nn.Module):
           self.out_shape,
           jnp.float32,
       )
-      bias = gathered(bias, self.axes[len(self.in_shape):])
-    kernel = gathered(kernel, self.axes)
+      bias = gathered(bias, self.axes[len(self.in_shape):], self.dtype)
+    kernel = gathered(kernel, self.axes, self.dtype)
     if weights_only:
       return kernel, bias
     y = flat_matmul(x.astype(self.dtype), kernel, len(self.in_shape))
@@ -338,7 +355,7 @@ class Embed(nn.Module):
 
   def table(self) -> jax.Array:
     """[rows, e]: the table as a lookup or the tied output projection reads it (`gathered`)."""
-    return gathered(self.embedding, self.axes)
+    return gathered(self.embedding, self.axes, self.dtype)
 
   def attend(self, x: jax.Array) -> jax.Array:
     """[b, t, e] -> [b, t, v] logits against the embedding table."""
