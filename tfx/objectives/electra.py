@@ -87,7 +87,8 @@ class Generator(nn.Module):
     h = make_norm(cfg, "head_norm")(act(h))
     bias = self.param("output_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
                       (table.shape[0],), jnp.float32)
-    logits = project(h.astype(cfg.compute_dtype), gathered(table, ("vocab", "embed"), cfg.compute_dtype), True)  # [b, t, v]; the table's gradient in float32
+    table = gathered(table, ("vocab", "embed"), cfg.compute_dtype)  # as FSDP reads it
+    logits = project(h.astype(cfg.compute_dtype), table, True)  # [b, t, v]; the table's gradient in float32
     return add_bias(logits, bias)
 
 
