@@ -85,6 +85,7 @@ XLNET = ["--config.model.family=xlnet", "--config.objective.name=permutation_lm"
     (["--config.data.verify_store=sometimes"], 1, "data.verify_store='sometimes'"),
     (["--config.data.prefetch=-1"], 1, "data.prefetch=-1 must be >= 0"),
     (["--config.model.packed_runs=-2"], 1, "model.packed_runs=-2 must be >= 0"),
+    (["--config.model.causal_blocks=-1"], 1, "model.causal_blocks=-1 must be >= 0"),
     (XLNET + ["--config.model.packed_runs=8"], 1, "the xlnet family's masks do not take it"),
     (["--config.data.shard_mb=0"], 1, "data.shard_mb=0.0 must be positive"),
     (["--config.data.source=prepared:"], 1, "needs a store directory"),
