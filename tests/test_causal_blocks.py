@@ -11,6 +11,7 @@ import pytest
 from tfx import ops
 from tfx.ops import attention as attn
 from tfx.ops import dropout
+from tests.test_ops import random_packed
 
 jax.config.update("jax_enable_x64", False)
 
@@ -52,13 +53,8 @@ def _largest_product(jaxpr) -> int:
 
 
 def _packed_ids(rng, b, t):
-  ids = np.zeros((b, t), np.int32)
-  for i in range(b):
-    n = t - int(rng.integers(0, 6))  # padding at the end: queries with no key
-    cuts = np.sort(rng.choice(np.arange(1, n), size=2, replace=False))
-    for s_i, (a, z) in enumerate(zip([0, *cuts], [*cuts, n])):
-      ids[i, a:z] = s_i + 1
-  return jnp.asarray(ids)
+  """Segment ids [b, t] of packed documents with padding at the end (queries with no key)."""
+  return jnp.asarray(random_packed(rng, b, t, pad=5)[0])
 
 
 CASES = ["packed", "lengths_bias", "gqa_dropout", "bf16"]

@@ -94,9 +94,8 @@ class Attention(nn.Module):
       out, _ = fused_dropout_attention(q, k, v, mask, bias, scale, dropout, rng, cfg.attention,
                                        qkv=None if self.decode else qkv)  # logs its choice
       if out is None:
-        causal = isinstance(mask, (ops.SegmentMask, ops.LengthMask)) and mask.causal
         out = xla_dropout_attention(q, k, v, ops.dense_mask(mask), bias, scale, dropout, rng,
-                                    causal_blocks=cfg.causal_blocks if causal else 1)
+                                    causal_blocks=ops.attention.causal_blocks_for(mask, cfg.causal_blocks))
     else:
       out = ops.dot_product_attention(q, k, v, mask=mask, bias=bias, scale=scale, implementation=cfg.attention,
                                       causal_blocks=cfg.causal_blocks)
@@ -134,11 +133,11 @@ def xla_dropout_attention(q, k, v, mask, bias, scale, rate, rng, *, causal_block
   in query blocks for a causal mask (`causal_blocks`, 1 for any other:
   `ops.attention.in_causal_blocks`); the same function and keep bits either way. mask [b|1, 1|h, t,
   s] bool or None."""
+  seed = dropout_ops.seed(rng)
   if target.autodiff_attention_dropout():
-    seed = dropout_ops.seed(rng)
     attend = lambda q, k, v, mask, bias, block: _reference_with_dropout(q, k, v, mask, bias, scale, rate, seed, block)
     return ops.attention.in_causal_blocks(attend, q, k, v, mask, bias, causal_blocks)
-  return ops.attention.softmax_attention(q, k, v, mask, bias, scale, dropout_rate=rate, seed=dropout_ops.seed(rng),
+  return ops.attention.softmax_attention(q, k, v, mask, bias, scale, dropout_rate=rate, seed=seed,
                                          causal_blocks=causal_blocks)
 
 

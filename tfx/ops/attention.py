@@ -236,6 +236,18 @@ def causal_block_bounds(t: int, blocks: int) -> tuple[tuple[int, int], ...]:
   return tuple(zip([0] + ends[:-1], ends))
 
 
+def known_causal(mask) -> bool:
+  """Whether a mask is known to be causal: a `SegmentMask` or `LengthMask` with `causal` (a dense
+  array is not inspected)."""
+  return isinstance(mask, (SegmentMask, LengthMask)) and mask.causal
+
+
+def causal_blocks_for(mask, blocks: int) -> int:
+  """`blocks` (`model.causal_blocks`) for a mask `known_causal`, 1 for any other: the query blocks
+  `softmax_attention` and `in_causal_blocks` take."""
+  return blocks if known_causal(mask) else 1
+
+
 def _query_block(x: jax.Array | None, first: int, end: int) -> jax.Array | None:
   """A mask or bias [b|1, h|1, t|1, s] at the queries first..end and the keys ..end."""
   if x is None:
@@ -558,7 +570,7 @@ def dot_product_attention(
       scale = q.shape[-1] ** -0.5 if scale is None else scale
       return kernel(q, k, v, mask.segment_ids, causal=mask.causal, scale=scale)
     impl, why = "xla", f"{name} refused: {refused}"
-  causal = isinstance(mask, (SegmentMask, LengthMask)) and mask.causal
+  causal = known_causal(mask)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   out = None
   if impl == "cudnn":
@@ -573,7 +585,8 @@ def dot_product_attention(
     if impl == "reference":
       out = reference_attention(q, k, v, mask=dense(), bias=bias, scale=scale)
     else:  # XLA's attention zeroes the rows without a key itself
-      return softmax_attention(q, k, v, dense(), bias, float(scale), causal_blocks=causal_blocks if causal else 1)
+      blocks = causal_blocks_for(mask, causal_blocks)
+      return softmax_attention(q, k, v, dense(), bias, float(scale), causal_blocks=blocks)
   if guard and mask is not None and not (impl == "cudnn" and isinstance(mask, SegmentMask)):
     if isinstance(mask, LengthMask):
       ok = mask.attending_rows()[:, :, None, None]  # [b, t, 1, 1]
