@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 from tfx import bench, bench_lower
-from tfx.ops import attention, masks, target
+from tfx.ops import attention, cudnn, masks, target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -104,7 +104,7 @@ def test_xla_attention_calls_no_kernel():
 def test_cudnn_takes_odd_lengths_that_its_backward_pass_refuses(length, kind):
   # JAX's cuDNN wrapper accepts the forward call at an odd length with a mask and refuses only
   # when the gradient is traced; tfx pads a dense mask, lengths or segment ids to an even length
-  # (attention.even_lengths: T5 at rows of 128 has 29 targets, a packed row may be odd)
+  # (cudnn.even_lengths: T5 at rows of 128 has 29 targets, a packed row may be odd)
   q = jnp.zeros((2, length, 4, 64), jnp.bfloat16)
   n = jnp.asarray([length, length - 3])
   mask = {"lengths": lambda: masks.LengthMask(n, n, (length, length)),
@@ -187,12 +187,12 @@ def test_attention_padded_to_even_lengths_is_the_same_function(t, s, masked):
     return attention.reference_attention(q, k, v, mask=dense(mask), bias=bias)
 
   def padded(q, k, v, bias):
-    q2, k2, v2, mask2, bias2 = attention.even_lengths(q, k, v, mask, bias)
+    q2, k2, v2, mask2, bias2 = cudnn.even_lengths(q, k, v, mask, bias)
     assert q2.shape[1] % 2 == 0 and k2.shape[1] % 2 == 0
     if isinstance(mask2, masks.SegmentMask):  # the padding queries give zeros themselves
-      v2, kernel_mask = attention.padding_attends_padding(v2, mask2)
+      v2, kernel_mask = cudnn.padding_attends_padding(v2, mask2)
       return attention.reference_attention(q2, k2, v2, mask=kernel_mask, bias=bias2)[:, :t]
-    return attention.reference_attention(q2, k2, v2, mask=attention.kernel_mask(dense(mask2)), bias=bias2)[:, :t]
+    return attention.reference_attention(q2, k2, v2, mask=cudnn.kernel_mask(dense(mask2)), bias=bias2)[:, :t]
 
   keep = np.ones((2, t, 1, 1), bool) if mask is None else np.asarray(dense(mask).any(-1))[:, 0, :, None, None]
   if isinstance(mask, masks.SegmentMask):  # its padding queries' zeros need no guard

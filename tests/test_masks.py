@@ -10,6 +10,7 @@ import pytest
 from tfx import ops
 from tfx.objectives.base import SpecialIds
 from tfx.ops import attention as attn
+from tfx.ops import cudnn
 
 
 def one_segment_ids(rng, b: int, t: int) -> np.ndarray:
@@ -69,7 +70,7 @@ def test_padding_positions_get_no_gradient():
   zeroes them before they reach a weight."""
   x = jnp.arange(12.0).reshape(2, 3, 2)  # [b, t, d]
   valid = jnp.asarray([[True, True, False], [True, False, False]])
-  out, pull = jax.vjp(lambda x: attn._real_only_gradient(x, valid), x)
+  out, pull = jax.vjp(lambda x: cudnn._real_only_gradient(x, valid), x)
   np.testing.assert_array_equal(out, x)
   (g,) = pull(jnp.full_like(x, jnp.nan))
   np.testing.assert_array_equal(np.isnan(g), np.broadcast_to(valid[..., None], g.shape))
@@ -133,9 +134,9 @@ def test_encoder_decoder_with_lengths_equals_packed_masks(monkeypatch):
 
   monkeypatch.setattr(attn, "_on_gpu", lambda: True)
   kinds = []  # the masks cuDNN was offered
-  cudnn = attn._cudnn_attention
-  monkeypatch.setattr(attn, "_cudnn_attention",
-                      lambda q, k, v, mask, *a: kinds.append(type(mask)) or cudnn(q, k, v, mask, *a))
+  offered = cudnn.attention
+  monkeypatch.setattr(cudnn, "attention",
+                      lambda q, k, v, mask, *a: kinds.append(type(mask)) or offered(q, k, v, mask, *a))
   cfg = tiny_config("--config.model.family=encoder_decoder", "--config.model.position=relative",
                     "--config.model.num_layers=2", "--config.model.d_model=32", "--config.model.d_ff=64",
                     "--config.model.dtype=bfloat16", "--config.model.remat=dots_attention")

@@ -264,10 +264,14 @@ def rows_mask(q_segment_ids: jax.Array, k_segment_ids: jax.Array | None = None, 
                     causal)
 
 
-def dense_mask(mask: "jax.Array | SegmentMask | CrossMask | LengthMask | None") -> jax.Array | None:
+def dense_mask(mask: "jax.Array | SegmentMask | CrossMask | LengthMask | None",
+               lengths: tuple[int, int] | None = None) -> jax.Array | None:
   """[b, 1|h, t, s] bool, or None: a `SegmentMask`, `CrossMask` or `LengthMask` as its array, any
-  other mask unchanged."""
-  return mask.dense() if isinstance(mask, (SegmentMask, CrossMask, LengthMask)) else mask
+  other mask unchanged; with `lengths` (t, s) its query and key axes broadcast to them."""
+  mask = mask.dense() if isinstance(mask, (SegmentMask, CrossMask, LengthMask)) else mask
+  if mask is None or lengths is None:
+    return mask
+  return jnp.broadcast_to(mask, mask.shape[:2] + tuple(lengths))
 
 
 def mask_rows(mask: "jax.Array | SegmentMask | CrossMask | LengthMask | None", rows: jax.Array
