@@ -275,10 +275,13 @@ def test_dense_general_is_the_contraction_of_its_trailing_dims(x_shape, in_shape
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), got, want)
 
 
-def test_bias_gradient_is_summed_in_float32_whatever_the_compute_dtype():
-  """`add_bias` (every DenseGeneral's bias, the fused projections', XLNet's r_w / r_r / r_s): the
-  value is autodiff's `y + bias.astype(y.dtype)` and so is the gradient of y; the bias's gradient
-  is the float32 sum of the incoming one, where autodiff's bf16 sum is percents off."""
+@pytest.mark.parametrize("wide", [False, True])
+def test_bias_gradient_is_summed_in_float32_whatever_the_compute_dtype(wide):
+  """`add_bias` (every DenseGeneral's bias, the fused projections', XLNet's r_w / r_r / r_s; `wide`:
+  the output layer's vocabulary bias): the value is autodiff's `y + bias.astype(y.dtype)` and so
+  is the gradient of y; the bias's gradient is the float32 sum of the incoming one, where
+  autodiff's bf16 sum is percents off. A wide bias's is summed as a product with ones on a CPU
+  (`ops.sum_rows`; XLA:CPU's reduce of [680, 32000] took 15x as long)."""
   from tfx.nn.layers import add_bias
 
   rng = np.random.default_rng(11)
@@ -287,17 +290,20 @@ def test_bias_gradient_is_summed_in_float32_whatever_the_compute_dtype():
     y = jnp.asarray(rng.normal(size=(16, 512, 4, 6)), dtype)
     g = jnp.asarray(rng.normal(size=y.shape) + 0.01, dtype)  # many rows of unit-scale gradients
     autodiff = lambda y, b: y + b.astype(y.dtype)
-    np.testing.assert_array_equal(np.asarray(add_bias(y, bias), np.float32), np.asarray(autodiff(y, bias), np.float32))
-    (dy, db), (dy_ad, db_ad) = (jax.vjp(f, y, bias)[1](g) for f in (add_bias, autodiff))
+    ours = lambda y, b: add_bias(y, b, wide)
+    np.testing.assert_array_equal(np.asarray(ours(y, bias), np.float32), np.asarray(autodiff(y, bias), np.float32))
+    (dy, db), (dy_ad, db_ad) = (jax.vjp(f, y, bias)[1](g) for f in (ours, autodiff))
     np.testing.assert_array_equal(np.asarray(dy, np.float32), np.asarray(dy_ad, np.float32))
     assert db.dtype == jnp.float32 and db.shape == bias.shape
     exact = np.asarray(g, np.float64).sum(axis=(0, 1))
     error = lambda d: np.abs(np.asarray(d, np.float64) - exact).max() / np.abs(exact).max()
     assert error(db) < 1e-5
-    if dtype == jnp.float32:
+    if dtype == jnp.float32 and not wide:  # the same sum (a product's is in another order: 3e-6 off)
       np.testing.assert_allclose(db, db_ad, rtol=1e-6, atol=1e-6)
-    else:
+    elif dtype == jnp.bfloat16:
       assert error(db_ad) > 1e-3  # what this replaces: the sum in bf16
+    gradient = jax.make_jaxpr(lambda g: jax.vjp(lambda b: ours(y, b), bias)[1](g))(g)
+    assert ("dot_general" in str(gradient)) == wide  # tests run on a CPU: the product form
 
 
 @pytest.mark.parametrize("kernel_major", [False, True])

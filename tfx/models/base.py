@@ -167,7 +167,7 @@ class Family(nn.Module):
                                       z_loss=loss.z_loss, chunk=cfg.loss_chunk)
     logits = embed.attend(x) if cfg.tie_embeddings else projection(x)
     if output_bias is not None:
-      logits = add_bias(logits, output_bias)  # its gradient summed in float32
+      logits = add_bias(logits, output_bias, True)  # its gradient summed in float32 (`wide`)
     logits = nn.with_logical_constraint(logits, ("act_batch", "act_length", "act_vocab"))
     if loss is None:
       return logits.astype(jnp.float32) if float32_logits else logits

@@ -225,10 +225,11 @@ def weight_gradient(x: jax.Array, g: jax.Array, dtype: Dtype, kernel_major: bool
   return d_w.reshape(outs + ins if kernel_major else ins + outs)
 
 
-@jax.custom_vjp
-def add_bias(y: jax.Array, bias: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def add_bias(y: jax.Array, bias: jax.Array, wide: bool = False) -> jax.Array:
   """y [..., *s] + bias [*s] in y's dtype, with bias's gradient summed over the leading dims in
-  float32 (returned in bias's dtype).
+  float32 (returned in bias's dtype); `wide` for a bias as wide as the vocabulary, whose gradient
+  is summed by `ops.sum_rows` (a product with ones on a CPU).
 
   Autodiff of `y + bias.astype(y.dtype)` sums the incoming gradient in y's dtype: in a bf16
   model each bias's gradient is a bf16 sum over every token of the batch, whose partial sums are
@@ -239,13 +240,14 @@ def add_bias(y: jax.Array, bias: jax.Array) -> jax.Array:
   return y + bias.astype(y.dtype)
 
 
-def _add_bias_fwd(y, bias):
-  return add_bias(y, bias), bias  # the parameter itself: alive anyway, it only carries shape and dtype
+def _add_bias_fwd(y, bias, wide):
+  return add_bias(y, bias, wide), bias  # the parameter itself: alive anyway, it only carries shape and dtype
 
 
-def _add_bias_bwd(bias, g):
-  rows = tuple(range(g.ndim - bias.ndim))
-  return g, jnp.sum(g.astype(jnp.float32), axis=rows).astype(bias.dtype)
+def _add_bias_bwd(wide, bias, g):
+  lead = g.ndim - bias.ndim
+  total = ops.sum_rows(g, lead) if wide else jnp.sum(g.astype(jnp.float32), axis=tuple(range(lead)))
+  return g, total.astype(bias.dtype)
 
 
 add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)

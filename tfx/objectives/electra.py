@@ -89,7 +89,7 @@ class Generator(nn.Module):
                       (table.shape[0],), jnp.float32)
     table = gathered(table, ("vocab", "embed"), cfg.compute_dtype)  # as FSDP reads it
     logits = project(h.astype(cfg.compute_dtype), table, True)  # [b, t, v]; the table's gradient in float32
-    return add_bias(logits, bias)
+    return add_bias(logits, bias, True)  # `wide`: the vocabulary
 
 
 class DiscriminatorHead(nn.Module):

@@ -7,7 +7,8 @@ from tfx.ops.attention import (
     recorded_choices,
     reference_attention,
 )
-from tfx.ops.losses import HeadWeights, TokenTargets, linear_cross_entropy, soft_cross_entropy, weighted_cross_entropy
+from tfx.ops.losses import (HeadWeights, TokenTargets, linear_cross_entropy, soft_cross_entropy, sum_rows,
+                             weighted_cross_entropy)
 from tfx.ops.masks import (
     CrossMask,
     LengthMask,

@@ -2,6 +2,7 @@
 fused with the output projection (`linear_cross_entropy`)."""
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -225,6 +226,19 @@ def _unchunked(a: jax.Array) -> jax.Array:
   return a.reshape((a.shape[0], a.shape[1] * a.shape[2]) + a.shape[3:])
 
 
+def sum_rows(g: jax.Array, lead: int) -> jax.Array:
+  """g [*rows, *s] (`lead` row dims) summed over its rows in float32 -> [*s]: the gradient of a bias
+  added to every row. Where `target.row_sums_as_products()` (a CPU) as ones [n] . g [n, prod(s)],
+  the products exact and their sum float32 (the same sum in another order)."""
+  if not target.row_sums_as_products():
+    return jnp.sum(g.astype(jnp.float32), axis=tuple(range(lead)))
+  n = math.prod(g.shape[:lead])
+  ones = jnp.ones((n,), g.dtype)
+  total = jax.lax.dot_general(ones, g.reshape(n, -1), (((0,), (0,)), ((), ())),
+                              precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+  return total.reshape(g.shape[lead:])  # [*s]
+
+
 def _chunk_sums(x, kernel, bias, targets, weights, z_loss, vocab_major, grads):
   """One chunk: x [b, c, e], targets / weights [b, c] -> the chunk's weighted sums of ce, log(Z)^2 and
   correct, and with `grads` the gradients of sum(w (ce + z_loss log(Z)^2)) for x, kernel and bias."""
@@ -243,7 +257,7 @@ def _chunk_sums(x, kernel, bias, targets, weights, z_loss, vocab_major, grads):
   else:  # kernel [e, v]
     d_x = jnp.einsum("bcv,ev->bce", d_logits, k, preferred_element_type=jnp.float32)
     d_kernel = jnp.einsum("bce,bcv->ev", x, d_logits, preferred_element_type=jnp.float32)
-  d_bias = None if bias is None else jnp.sum(d_logits.astype(jnp.float32), axis=(0, 1))
+  d_bias = None if bias is None else sum_rows(d_logits, 2)
   d_weights = ce + z_loss * jnp.square(log_z)  # [b, c]: the loss is linear in the weights
   return sums, (d_x.astype(x.dtype), d_kernel, d_bias, d_weights)
 
