@@ -75,11 +75,11 @@ def test_padding_stays_padding():
   assert rows["segment_ids"][1].sum() == 12 + 3  # its 12 tokens, CLS and the two SEPs
 
 
-def _setup(cls):
+def _setup(cls, *overrides, **fields):
   from tfx import parallel, steps
 
-  c = load_config(os.path.join(ROOT, "configs", "nsp_tiny.py"), ["--config.data.seq_len=24"])
-  objective = cls(ids=IDS)
+  c = load_config(os.path.join(ROOT, "configs", "nsp_tiny.py"), ["--config.data.seq_len=24", *overrides])
+  objective = cls(ids=IDS, **fields)
   model = build_model(c.model, vocab_size=IDS.vocab_size, max_length=24)
   tx, _ = steps.make_optimizer(c)
   mesh = parallel.make_mesh(c.mesh, jax.devices()[:1])
@@ -128,6 +128,30 @@ def test_loss_is_mlm_plus_the_sentence_loss_on_the_first_token():
   assert float(jnp.abs(g[OBJECTIVE_PARAMS]["sentence_head"]["classifier"]["kernel"]).max()) > 0
   assert float(jnp.abs(g["token_embed"]["embedding"]).max()) > 0
   assert abs(objective.initial_loss(1000) - (math.log(1000) + math.log(2))) < 1e-12
+
+
+def test_the_loss_keeps_bf16_logits_at_every_position():
+  """Without `gather_predictions` the MLM head runs at every position and the loss reads its logits
+  in the compute dtype, as masked LM's does: the loss and accuracy of the float32 logits the model
+  returns by default, to the bit, the gradients within bf16's rounding, and no scatter of the
+  targets' gradient into a float32 [b, t, v] buffer."""
+  from tests.conftest import compare_with_float32_logits_loss
+
+  objective, model, state, batch = _setup(SentenceOrderPrediction, "--config.model.dtype=bfloat16",
+                                          gather_predictions=False)
+  assert objective.gather_slots(model, 24) is None
+
+  class Float32Logits(SentenceOrderPrediction):  # the loss of the float32 logits `_forward` gives otherwise
+    def _forward(self, *args, gather=False, **kwargs):
+      return super()._forward(*args, **kwargs)
+
+  reference = Float32Logits(ids=IDS, gather_predictions=False)
+  key = jax.random.key(5)
+  assert objective._forward(model, state.params, batch, key, train=False)[1].dtype == jnp.float32
+  ours, theirs = compare_with_float32_logits_loss(lambda p: objective.loss(model, p, batch, key, train=False),
+                                                  lambda p: reference.loss(model, p, batch, key, train=False),
+                                                  state.params)
+  assert theirs == ours + 1  # the targets' logits' gradient
 
 
 def test_registered_with_fields():

@@ -125,10 +125,12 @@ class SentencePrediction(MaskedLM):
 
   def _forward(self, model, params, batch, rng, *, train, gather: bool = False):
     """(row, MLM logits [b, t, v] or None, final hidden states [b, t, e], targets, weights, kept,
-    sentence logits [b, 2]). With `gather`, when masked_lm's `gather_slots` applies to the row, the
-    MLM logits are left to the loss (None) and the hidden states are those of the first token
-    ([CLS]) and then each row's selected tokens' slots only, [b, 1 + slots, e]: the encoder's last
-    layer computes nothing else (`rows`; see `MaskedLM.rows_loss`)."""
+    sentence logits [b, 2]). With `gather` (the loss's call), when masked_lm's `gather_slots`
+    applies to the row, the MLM logits are left to the loss (None) and the hidden states are those
+    of the first token ([CLS]) and then each row's selected tokens' slots only, [b, 1 + slots, e]:
+    the encoder's last layer computes nothing else (`rows`; see `MaskedLM.rows_loss`); when it does
+    not, the logits of every position come in the compute dtype (the loss reads them in float32
+    itself, and bf16 ones get its one-pass gradient: `MaskedLM.loss`), else in float32."""
     encoder_params, own = split_params(params)
     row_rng, mask_rng, dropout_rng = jax.random.split(rng, 3)
     row = self.rows(batch, row_rng)
@@ -141,7 +143,8 @@ class SentencePrediction(MaskedLM):
       rows = jnp.concatenate([jnp.zeros_like(where[:, :1]), where], axis=1)  # [CLS] first: [b, 1 + slots]
       logits, hidden = None, model.apply({"params": encoder_params}, *args, return_hidden=True, rows=rows, **kwargs)
     else:
-      logits, hidden = logits_and_hidden(model, encoder_params, *args, **kwargs)  # [b, t, v], [b, t, e]
+      logits, hidden = logits_and_hidden(model, encoder_params, *args, float32_logits=not gather,
+                                         **kwargs)  # [b, t, v], [b, t, e]
     sentence_logits = ClassifierHead(2, pooling="first", init_std=model.cfg.init_std).apply(
         {"params": own["sentence_head"]}, hidden, row["segment_ids"])  # [b, 2]
     return row, logits, hidden, targets, weights, kept, sentence_logits
