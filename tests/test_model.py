@@ -281,7 +281,7 @@ def test_bias_gradient_is_summed_in_float32_whatever_the_compute_dtype(wide):
   the output layer's vocabulary bias): the value is autodiff's `y + bias.astype(y.dtype)` and so
   is the gradient of y; the bias's gradient is the float32 sum of the incoming one, where
   autodiff's bf16 sum is percents off. A wide bias's is summed as a product with ones on a CPU
-  (`ops.sum_rows`; XLA:CPU's reduce of [680, 32000] took 15x as long)."""
+  (`ops.sum_rows`; XLA:CPU's reduce of [680, 32000] took 18x as long)."""
   from tfx.nn.layers import add_bias
 
   rng = np.random.default_rng(11)
