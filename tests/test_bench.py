@@ -420,7 +420,7 @@ def test_profile_traces_steps_and_sums_kernels_by_kind(tmp_path, capsys):
   assert "ENTRY" in hlo.read_text()
   bench_profile.main([str(tmp_path), "--top", "3"])
   printed = capsys.readouterr().out
-  assert "with their bytes" in printed and "TB/s" in printed
+  assert "with their bytes" in printed and ("TB/s" in printed or "GB/s" in printed)
   json.dumps(out)
   with pytest.raises(FileNotFoundError, match="no .xplane.pb"):
     bench_profile.find_trace(str(tmp_path / "none"))
@@ -445,6 +445,29 @@ def test_join_bytes_matches_kernels_to_instructions_under_either_spelling():
   assert first["gb_per_step"] == pytest.approx((dot.read + dot.written) / 1e9)
   assert first["tb_per_s"] == pytest.approx((dot.read + dot.written) / 2e-3 / 1e12)
   assert bench_profile.join_bytes(times, text, steps=3, devices=2)["kernels"][0]["ms_per_step"] == pytest.approx(1.0)
+
+
+def test_slowest_per_byte_lists_the_slow_elementwise_kernels_first():
+  """`slowest_per_byte`: of the kernels over 0.5% of the step, the fusions, copies and in-place
+  updates by the bandwidth they reached, lowest first; matrix products, attention and kernels
+  without bytes are not candidates. The summary prints them after the heaviest."""
+  from tfx import bench_profile
+
+  row = lambda name, kind, ms, gb: {"kernel": name, "kind": kind, "op": "op/" + name, "ms_per_step": ms,
+                                    "gb_per_step": gb, "tb_per_s": gb / ms if gb else None}  # GB / ms = TB/s
+  joined = {"matched_share": 1.0, "outside_layers": {"ms_per_step": 0.0, "gb_per_step": 0.0}, "kernels": [
+      row("dot", "matmul", 50.0, 0.01), row("attn", "attention", 20.0, 0.01), row("norm", "fusion", 5.0, 0.05),
+      row("slow_reduce", "fusion", 4.0, 0.004), row("update", "in-place update", 2.0, 0.01),
+      row("tiny", "fusion", 0.2, 0.00001), row("nothing", "fusion", 3.0, 0.0)]}
+  slow = bench_profile.slowest_per_byte(joined, busy_ms=100.0, n=3)
+  assert [r["kernel"] for r in slow] == ["slow_reduce", "update", "norm"]
+  assert [r["kernel"] for r in bench_profile.slowest_per_byte(joined, busy_ms=100.0, n=1)] == ["slow_reduce"]
+  summary = {"trace": "t", "source": "host", "steps": 3, "busy_ms_per_step": 100.0, "kinds": {}, "top": [],
+             "bytes": joined}
+  printed = bench_profile.format_summary(summary, top=10)
+  tail = printed[printed.index("the slowest per byte"):]
+  assert tail.index("slow_reduce") < tail.index("update") < tail.index("norm") and "dot" not in tail
+  assert "1.00 GB/s" in tail and "10.00 GB/s" in tail  # below 0.1 TB/s in GB/s
 
 
 TPU_TRACE = """

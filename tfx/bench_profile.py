@@ -22,7 +22,8 @@ instruction's time (the kernels a trace attributes to it through their `hlo_op`)
 the bytes `tfx.bench_traffic` counts for it: per kernel, milliseconds, GB and the bandwidth it
 reached, the model operation it came from, sorted by time (`join_bytes`). Kernels far below the
 device's bandwidth are where a step's time goes beyond moving its bytes; those at it can only get
-faster by moving less. Its 200 longest kernels go into the benchmark's JSON and the HLO beside the
+faster by moving less. The summary also lists the elementwise kernels and reductions by their
+bandwidth, lowest first (`slowest_per_byte`): one far below the others is a kernel to read. Its 200 longest kernels go into the benchmark's JSON and the HLO beside the
 trace, so that a device session's profile can be read again without the device.
 """
 
@@ -36,6 +37,7 @@ from typing import Any
 KINDS = ("matmul", "attention", "triton", "copies", "xla fusions")
 CONTROL_FLOW = ("while", "conditional", "call")
 KEPT_ROWS = 200  # kernels kept by `join_bytes`, the heaviest (a GPT-2 step has about 1000)
+SLOW_SHARE = 0.005  # `slowest_per_byte` lists kernels of at least this share of the step
 HLO_FILE = "step_after_optimizations.txt"  # the optimized HLO `tfx.bench --profile` writes beside its trace
 TPU_OPS_LINE = "XLA Ops"  # a TPU device plane's line of ops (beside "XLA Modules", "Steps", ...)
 CPU_POOL_LINE = "XLAEigen"  # XLA:CPU's intra-op threads are named tf_XLAEigen/<id> in a host trace
@@ -166,6 +168,20 @@ def join_bytes(times: dict[str, int], hlo_text: str, *, steps: int, devices: int
           "kernels": rows[:KEPT_ROWS]}
 
 
+def slowest_per_byte(joined: dict[str, Any], busy_ms: float, n: int) -> list[dict[str, Any]]:
+  """The `n` kernels of `join_bytes` that are not matrix products or attention (XLA's fusions,
+  copies, in-place updates) and take at least `SLOW_SHARE` of the step, lowest bandwidth first.
+
+  Elementwise work and reductions should all stream their bytes at about one rate; one far below
+  the others is a kernel worth reading (on a CPU, XLA:CPU's YNNPACK reduce of [b, t, k, 1, d] ran
+  at a tenth of the layer norms' rate, and of a [680, 32000] bias gradient at a twentieth). First
+  touches of freshly allocated memory (a CPU's `wrapped_broadcast` zero fills) read slow too."""
+  floor = SLOW_SHARE * busy_ms
+  rows = [row for row in joined["kernels"]
+          if row["kind"] not in ("matmul", "attention") and row["tb_per_s"] and row["ms_per_step"] >= floor]
+  return sorted(rows, key=lambda row: row["tb_per_s"])[:n]
+
+
 def summarize(trace: str, steps: int = 3, top: int = 15, hlo_text: str | None = None,
               devices: int = 1) -> dict[str, Any]:
   """Per-step milliseconds by kind, outside and inside the layers, and the `top` kernels; with the
@@ -203,6 +219,13 @@ def summarize(trace: str, steps: int = 3, top: int = 15, hlo_text: str | None = 
   }
 
 
+def _rate(tb_per_s: float | None) -> str:
+  """A bandwidth in 11 characters: TB/s (a device's), GB/s below 0.1 TB/s (a CPU's), or blanks."""
+  if tb_per_s is None:
+    return " " * 11
+  return f"{tb_per_s:6.2f} TB/s" if tb_per_s >= 0.1 else f"{1e3 * tb_per_s:6.2f} GB/s"
+
+
 def format_summary(summary: dict[str, Any], top: int = 15) -> str:
   threads = summary.get("intra_op_threads", 0)
   pool = f", {threads} intra-op thread{'s' if threads > 1 else ''}" if threads else ""
@@ -220,10 +243,15 @@ def format_summary(summary: dict[str, Any], top: int = 15) -> str:
     lines.append(f"the heaviest HLO kernels with their bytes ({100 * joined['matched_share']:.0f}% of the time "
                  f"found its kernel; outside the layers {joined['outside_layers']['ms_per_step']:.2f} ms, "
                  f"{joined['outside_layers']['gb_per_step']:.2f} GB):")
-    for row in joined["kernels"][:top]:
-      rate = f"{row['tb_per_s']:6.2f} TB/s" if row["tb_per_s"] is not None else " " * 11
-      lines.append(f"  {row['ms_per_step']:7.2f} ms {1e3 * row['gb_per_step']:8.1f} MB {rate}  {row['kind']:9s} "
-                   f"{row['kernel'][:36]:36s} {row['op'][-60:]}")
+    row_line = lambda row: (f"  {row['ms_per_step']:7.2f} ms {1e3 * row['gb_per_step']:8.1f} MB "
+                            + _rate(row["tb_per_s"])
+                            + f"  {row['kind']:9s} {row['kernel'][:36]:36s} {row['op'][-60:]}")
+    lines.extend(row_line(row) for row in joined["kernels"][:top])
+    slow = slowest_per_byte(joined, summary["busy_ms_per_step"], min(top, 10))
+    if slow:
+      lines.append(f"the slowest per byte of the other kernels over {100 * SLOW_SHARE:g}% of the step (one far below "
+                   "the rest is worth reading; first touches of fresh memory read slow too):")
+      lines.extend(row_line(row) for row in slow)
   return "\n".join(lines)
 
 
