@@ -245,9 +245,7 @@ def _add_bias_fwd(y, bias, wide):
 
 
 def _add_bias_bwd(wide, bias, g):
-  lead = g.ndim - bias.ndim
-  total = ops.sum_rows(g, lead) if wide else jnp.sum(g.astype(jnp.float32), axis=tuple(range(lead)))
-  return g, total.astype(bias.dtype)
+  return g, ops.sum_rows(g, g.ndim - bias.ndim, wide).astype(bias.dtype)
 
 
 add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)

@@ -226,11 +226,12 @@ def _unchunked(a: jax.Array) -> jax.Array:
   return a.reshape((a.shape[0], a.shape[1] * a.shape[2]) + a.shape[3:])
 
 
-def sum_rows(g: jax.Array, lead: int) -> jax.Array:
+def sum_rows(g: jax.Array, lead: int, wide: bool = True) -> jax.Array:
   """g [*rows, *s] (`lead` row dims) summed over its rows in float32 -> [*s]: the gradient of a bias
-  added to every row. Where `target.row_sums_as_products()` (a CPU) as ones [n] . g [n, prod(s)],
-  the products exact and their sum float32 (the same sum in another order)."""
-  if not target.row_sums_as_products():
+  added to every row. For a `wide` bias (the vocabulary's), where `target.row_sums_as_products()`
+  (a CPU), as ones [n] . g [n, prod(s)], the products exact and their sum float32 (the same sum in
+  another order); otherwise as a reduce."""
+  if not (wide and target.row_sums_as_products()):
     return jnp.sum(g.astype(jnp.float32), axis=tuple(range(lead)))
   n = math.prod(g.shape[:lead])
   ones = jnp.ones((n,), g.dtype)
