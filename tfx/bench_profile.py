@@ -23,8 +23,9 @@ the bytes `tfx.bench_traffic` counts for it: per kernel, milliseconds, GB and th
 reached, the model operation it came from, sorted by time (`join_bytes`). Kernels far below the
 device's bandwidth are where a step's time goes beyond moving its bytes; those at it can only get
 faster by moving less. The summary also lists the elementwise kernels and reductions by their
-bandwidth, lowest first (`slowest_per_byte`): one far below the others is a kernel to read. Its 200 longest kernels go into the benchmark's JSON and the HLO beside the
-trace, so that a device session's profile can be read again without the device.
+bandwidth, lowest first (`slowest_per_byte`): one far below the others is a kernel to read. Its
+200 longest kernels go into the benchmark's JSON and the HLO beside the trace, so that a device
+session's profile can be read again without the device.
 """
 
 from __future__ import annotations
