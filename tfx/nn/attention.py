@@ -155,7 +155,9 @@ def _reference_with_dropout(q, k, v, mask, bias, scale, rate, seed, block):
     scores = scores + bias
   if mask is not None:
     scores = hoisting.where(mask, scores, ops.MASK_VALUE)
-  probs = jax.nn.softmax(scores, axis=-1)  # [b, h, t, s]
+  # The softmax over [b h, t, s]: with one head (ELECTRA-small's generator) XLA:CPU reduces the
+  # [b, 1, t, s] gradient's rows at a fraction of its speed (2.0 against 0.44 ms at [8, 1, 256, 256]).
+  probs = jax.nn.softmax(scores.reshape(-1, *scores.shape[2:]), axis=-1).reshape(scores.shape)  # [b, h, t, s]
   probs = dropout_ops.dropout(probs, seed, rate, block).astype(v.dtype)
   out = jnp.einsum("bhts,bshd->bthd", probs, v)
   if mask is not None:
