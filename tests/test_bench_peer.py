@@ -51,6 +51,29 @@ def test_peer_bench_layers_replace_a_size_depth_and_bad_arguments_stop_first():
       peer.main(argv)
 
 
+def test_peer_bench_config_file_keeps_its_own_dropout_at_the_sizes_shape():
+  """A config file in place of a peer model (ab_step.py's `--models configs/X.py`) is built at the
+  size's shape with its own dropout; a peer model's dropout is off (HF's side has none)."""
+  peer = _bench_peer()
+  layers, d, heads, _, seq, batch, vocab = peer.size_spec("small")
+  own = peer.tfx_config("configs/electra_base.py", "small")
+  assert (own.model.num_layers, own.model.d_model, own.model.num_heads) == (layers, d, heads)
+  assert (own.data.seq_len, own.train.batch_size, own.data.vocab_size) == (seq, batch, vocab)
+  assert own.model.dropout == own.model.attention_dropout == 0.1 and own.objective.name == "electra"
+  bert = peer.tfx_config("bert", "small")
+  assert bert.model.dropout == bert.model.attention_dropout == 0.0
+
+
+def test_peer_bench_times_a_step_and_counts_its_first_touches():
+  """`timed` runs a step to completion and counts the minor page faults it took: a step that
+  writes a fresh 64 MiB buffer touches fresh pages."""
+  peer = _bench_peer()
+  step = jax.jit(lambda x: jnp.broadcast_to(x, (16 << 20,)) + 1.0)
+  step(jnp.float32(0)).block_until_ready()
+  seconds, faults, out = peer.timed(step, jnp.float32(1))
+  assert seconds > 0 and faults > 0 and float(out[-1]) == 2.0
+
+
 def test_peer_bench_classifier_is_the_finetune_step_at_the_sizes_shape():
   """`bert_cls` times tfx.finetune's step (a two-class Classifier pooling [CLS], no dropout) at the
   size's rows and batch; its state has no objective part."""
@@ -135,6 +158,8 @@ def test_ab_step_traces_the_swap_for_b_and_restores_the_original(tmp_path, capsy
     ab.compiler_option("no_value")
   with pytest.raises(SystemExit, match="nothing to compare"):
     ab.main(["--models", "gpt2"])
+  with pytest.raises(SystemExit, match="no such config file"):
+    ab.main(["--models", "configs/nothing.py", "--override=--config.train.seed=7"])
   for bad, message in (("tfx.ops.attention._grouped", "expected MODULE.ATTR"),
                        (f"tfx.ops.attention.nothing={variant}:grouped", "has no nothing")):
     with pytest.raises(SystemExit, match=message):

@@ -5,6 +5,8 @@
     python benchmarks/hf_flax/ab_step.py --models gpt2 --sizes medium --override=--config.model.loss_chunk=32
     python benchmarks/hf_flax/ab_step.py --models gpt2 --sizes medium \\
         --compiler-option xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_REDUCE
+    python benchmarks/hf_flax/ab_step.py --models configs/electra_base.py --sizes medium \\
+        --swap tfx.nn.attention._reference_with_dropout=variants.py:old
 
 Between processes this 2-core machine drifts by 5-10%, more than most single changes move a
 step; here both steps (A: the code and config as they are, B: with MODULE.ATTR replaced by the
@@ -13,7 +15,8 @@ function ATTR2 of FILE while the step is traced, and/or built from the config wi
 initial parameters and batch, run interleaved, and the median of the per-step ratios B / A is
 printed with its interquartile range, with each side's loss after the first step (the same
 function should give the same loss). The models and sizes are the peer benchmark's (bench_peer.py's
-tfx side, its own venv: `make bench-peer` builds it). A compiler option is passed as XLA's compile
+tfx side, its own venv: `make bench-peer` builds it), or a config file at a size's shape (layers,
+width, heads, rows, vocabulary) with the rest of it, dropout and objective, as it is. A compiler option is passed as XLA's compile
 option proto takes it (true/false, an integer, or an enum's name: the flags' '+'/'-' list syntax is
 refused there).
 """
@@ -114,7 +117,9 @@ def run(model: str, size: str, reps: int, swap, overrides: list[str], options: d
 
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--models", default="t5", help="comma-separated: " + ", ".join(bench_peer.MODELS))
+  parser.add_argument("--models", default="t5",
+                      help="comma-separated: gpt2, bert, t5 (the peer benchmark's, no dropout), or a config "
+                           "file (e.g. configs/electra_base.py: at the size's shape, its own dropout and objective)")
   parser.add_argument("--sizes", default="medium", help="comma-separated: " + ", ".join(bench_peer.SIZES))
   parser.add_argument("--reps", type=int, default=15, help="timed steps per side (interleaved)")
   parser.add_argument("--swap", help="MODULE.ATTR=FILE.py:FUNCTION: B's replacement of MODULE.ATTR")
@@ -130,8 +135,11 @@ def main(argv: list[str] | None = None) -> None:
                      "and/or --compiler-option KEY=VALUE")
   swap = load_swap(args.swap) if args.swap else None
   for model in args.models.split(","):
-    if model not in bench_peer.MODELS or model == "bert_cls":
-      raise SystemExit(f"unknown model {model!r}: one of gpt2, bert, t5")
+    if model.endswith(".py"):
+      if not os.path.isfile(os.path.join(bench_peer.ROOT, model)):
+        raise SystemExit(f"--models {model!r}: no such config file (a path from the repository's root)")
+    elif model not in bench_peer.MODELS or model == "bert_cls":
+      raise SystemExit(f"unknown model {model!r}: one of gpt2, bert, t5, or a config file's path")
     for size in args.sizes.split(","):
       bench_peer.size_spec(size)  # refuses an unknown size
       run(model, size, args.reps, swap, args.override, options)

@@ -32,6 +32,10 @@ Reported per model and size (ratio = tfx / HF; < 1 means tfx is faster or smalle
             the median of the per-step ratios, with a 95% bootstrap interval of it
   temp      XLA's compiled temporary memory (memory_analysis().temp_size_in_bytes)
   compile   lower + compile of a fresh jit (median of `--compiles`, interleaved)
+  faults    minor page faults a step (median; the JSON's page_faults_*): first touches of fresh
+            memory. On a CPU each step's temporaries are mapped anew, so a side pays about one
+            fault per 4 KiB of its temporary memory, a fifth of GPT-2 medium's step on both sides
+            here (2026-12-07; docs/performance/1-peer-cpu.md, stop 70)
   GFLOP     XLA's cost analysis of the compiled step. It counts a while loop's body once, so for
             a step with a loop (scanned layers) tfx's is taken from the same step with
             model.scan_layers=False.
@@ -50,6 +54,7 @@ run repeated later can move by 10-20 %.
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -119,13 +124,17 @@ def size_spec(size: str, layers: int | None = None) -> tuple[int, ...]:
 
 
 def tfx_config(model: str, size: str, *, scan: bool = True, layers: int | None = None):
-  path, extra = MODELS[model]
+  """The tfx config of a peer `model` at `size` (the HF architecture, no dropout), or, where `model`
+  is a config file's path (ab_step.py's `--models configs/electra_base.py`), that config at the
+  size's shape with its own dropout."""
+  own = model.endswith(".py")
+  path, extra = (model, []) if own else MODELS[model]
   layers, d, heads, ff, seq, batch, vocab = size_spec(size, layers)
-  overrides = extra + [
+  no_dropout = [] if own else ["--config.model.dropout=0.0", "--config.model.attention_dropout=0.0"]
+  overrides = extra + no_dropout + [
       f"--config.model.num_layers={layers}", f"--config.model.d_model={d}", f"--config.model.num_heads={heads}",
       f"--config.model.d_ff={ff}", f"--config.data.seq_len={seq}", f"--config.train.batch_size={batch}",
-      f"--config.data.vocab_size={vocab}", "--config.model.dropout=0.0", "--config.model.attention_dropout=0.0",
-      f"--config.model.scan_layers={scan}", "--config.mesh.data=1",
+      f"--config.data.vocab_size={vocab}", f"--config.model.scan_layers={scan}", "--config.mesh.data=1",
   ]
   overrides += [o for o in EXTRA_OVERRIDES if scan or "scan_layers" not in o]
   if model == "t5":
@@ -247,6 +256,18 @@ def make_hf_step(model: str, hf_model, objective, tx):
   return jax.jit(step, donate_argnums=(0,))
 
 
+def timed(step, *args) -> tuple[float, int, object]:
+  """(wall seconds, minor page faults, outputs) of one step run to completion. A fault is the
+  first touch of a fresh page: on a CPU, XLA maps each execution's temporary buffer anew (glibc
+  gives an allocation this large its own mmap) and the kernel zero-fills it page by page as the
+  step first writes it."""
+  faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+  start = time.perf_counter()
+  out = jax.block_until_ready(step(*args))
+  seconds = time.perf_counter() - start
+  return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults, out
+
+
 def compile_stats(jitted, *args):
   start = time.perf_counter()
   compiled = jitted.lower(*args).compile()
@@ -309,15 +330,18 @@ def run_one(model: str, size: str, reps: int, log, *, dtype: str = "float32", co
     raise SystemExit(f"{model}/{size}: tfx loss {tfx_loss} != HF loss {hf_loss}: not the same function")
   log(f"  {model}/{size}: losses agree (tfx {tfx_loss:.6f}, HF {hf_loss:.6f}); timing {reps} interleaved steps")
 
-  tfx_times, hf_times = [], []
+  tfx_times, hf_times, tfx_faults, hf_faults = [], [], [], []
   for _ in range(reps):
     with parallel.context(exp.mesh):
-      start = time.perf_counter()
-      state, metrics = jax.block_until_ready(tfx_c(state, batch, None))
-      tfx_times.append(time.perf_counter() - start)
-    start = time.perf_counter()
-    hf_state, _ = jax.block_until_ready(hf_c(hf_state, batch))
-    hf_times.append(time.perf_counter() - start)
+      seconds, faults, (state, metrics) = timed(tfx_c, state, batch, None)
+    tfx_times.append(seconds)
+    tfx_faults.append(faults)
+    seconds, faults, (hf_state, _) = timed(hf_c, hf_state, batch)
+    hf_times.append(seconds)
+    hf_faults.append(faults)
+  faults = {"tfx": statistics.median(tfx_faults), "hf": statistics.median(hf_faults)}
+  log(f"  {model}/{size}: first touches of fresh memory a step (minor page faults, median): "
+      f"tfx {faults['tfx']:.0f}, HF {faults['hf']:.0f}")
 
   profiles = {}
   if profile:  # three more steps a side, each under its own trace
@@ -339,6 +363,7 @@ def run_one(model: str, size: str, reps: int, log, *, dtype: str = "float32", co
       "step_ratio": ratio, "step_ratio_ci95": [low, high], "step_s_all_tfx": tfx_times, "step_s_all_hf": hf_times,
       "compile_s_tfx": statistics.median(tfx_compile), "compile_s_hf": statistics.median(hf_compile),
       "temp_bytes_tfx": tfx_temp, "temp_bytes_hf": hf_temp,
+      "page_faults_tfx": faults["tfx"], "page_faults_hf": faults["hf"],
       "gflop_tfx": tfx_flops / 1e9, "gflop_hf": hf_flops / 1e9,
       **({"profile": profiles} if profiles else {}),
   }
