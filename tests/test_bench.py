@@ -39,6 +39,16 @@ def test_benchmark_reports_throughput(result):
   json.dumps(result)  # plain numbers and strings only
 
 
+def test_timed_runs_a_step_to_completion_and_counts_its_first_touches(result):
+  """`timed`: a step that writes a fresh 64 MiB buffer touches fresh pages (minor faults > 0), and
+  the benchmark reports the median of its timed steps' faults."""
+  step = jax.jit(lambda x: jnp.broadcast_to(x, (16 << 20,)) + 1.0)
+  step(jnp.float32(0)).block_until_ready()
+  seconds, faults, out = bench.timed(step, jnp.float32(1))
+  assert seconds > 0 and faults > 0 and float(out[-1]) == 2.0
+  assert result["page_faults_per_step"] >= 0 and "page faults" in bench.format_table(result)
+
+
 def test_result_names_the_attention_kernel_that_ran(result):
   """The benchmark reports the attention kernel the compiled step runs (recorded while tracing,
   not the first-time-only log): XLA's on this CPU for the default config."""

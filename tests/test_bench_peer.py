@@ -64,16 +64,6 @@ def test_peer_bench_config_file_keeps_its_own_dropout_at_the_sizes_shape():
   assert bert.model.dropout == bert.model.attention_dropout == 0.0
 
 
-def test_peer_bench_times_a_step_and_counts_its_first_touches():
-  """`timed` runs a step to completion and counts the minor page faults it took: a step that
-  writes a fresh 64 MiB buffer touches fresh pages."""
-  peer = _bench_peer()
-  step = jax.jit(lambda x: jnp.broadcast_to(x, (16 << 20,)) + 1.0)
-  step(jnp.float32(0)).block_until_ready()
-  seconds, faults, out = peer.timed(step, jnp.float32(1))
-  assert seconds > 0 and faults > 0 and float(out[-1]) == 2.0
-
-
 def test_peer_bench_classifier_is_the_finetune_step_at_the_sizes_shape():
   """`bert_cls` times tfx.finetune's step (a two-class Classifier pooling [CLS], no dropout) at the
   size's rows and batch; its state has no objective part."""

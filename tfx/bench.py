@@ -21,6 +21,8 @@ Numbers:
   compile_s      tracing + lowering + XLA compilation of the train step
   temp_memory_bytes  XLA's compiled temporary buffers of the step (memory_analysis; any backend)
   step_s         median wall time of the timed steps (each blocked on its results)
+  page_faults_per_step  median minor page faults of the process a timed step (`timed`): on a CPU
+                 about one per 4 KiB of the step's temporaries, which XLA maps afresh every step
   tokens_per_s   batch_size * raw row length / step_s
   flops_per_token, model_tflops_per_s: model FLOPs (tfx.flops, PaLM appendix B) and their rate
   mfu            model FLOP/s / (peak FLOP/s per device * devices); None where the peak is
@@ -32,6 +34,7 @@ import argparse
 import collections
 import contextlib
 import json
+import resource
 import statistics
 import sys
 import time
@@ -229,11 +232,11 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
   memory = executable.memory_analysis()
   for _ in range(warmup):
     state, metrics = jax.block_until_ready(train_step(state, batch))
-  times = []
+  times, faults = [], []
   for _ in range(steps):
-    start = time.perf_counter()
-    state, metrics = jax.block_until_ready(train_step(state, batch))
-    times.append(time.perf_counter() - start)
+    seconds, touched, (state, metrics) = timed(train_step, state, batch)
+    times.append(seconds)
+    faults.append(touched)
 
   if profile:
     with jax.profiler.trace(profile):
@@ -274,6 +277,7 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
       "first_call_s": first_call_s,
       "step_s": step_s,
       "step_s_all": times,
+      "page_faults_per_step": statistics.median(faults),
       "tokens_per_s": batch_size * row_length / step_s,
       "flops_per_token": per_token,
       "model_tflops_per_s": achieved / 1e12,
@@ -286,6 +290,19 @@ def benchmark(config: ml_collections.ConfigDict, steps: int = 10, warmup: int = 
       **({"profile": summary} if profile else {}),
       **more,
   }
+
+
+def timed(step, *args) -> tuple[float, int, Any]:
+  """(wall seconds, the process's minor page faults, outputs) of one call of `step` run to
+  completion. A minor fault is the first touch of a fresh page: on a CPU, XLA allocates each
+  execution's temporaries anew, glibc maps an allocation that large with its own mmap, and the
+  kernel zero-fills each 4 KiB page as the step first writes it (a fifth of a step at the peer
+  benchmark's medium sizes; docs/performance/1-peer-cpu.md, stop 70)."""
+  before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+  start = time.perf_counter()
+  out = jax.block_until_ready(step(*args))
+  seconds = time.perf_counter() - start
+  return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, out
 
 
 def attention_summary(chosen: list[tuple[str, str]]) -> str:
@@ -311,6 +328,7 @@ def format_table(r: dict[str, Any]) -> str:
       ("attention", r["attention"]),
       ("compile", f"{r['compile_s']:.2f} s (first call {r['first_call_s']:.2f} s)"),
       ("step", f"{1e3 * r['step_s']:.1f} ms (median of {len(r['step_s_all'])})"),
+      ("page faults", f"{r['page_faults_per_step']:,.0f} a step (first touches of fresh host memory)"),
       ("tokens/s", f"{r['tokens_per_s']:,.0f}"),
       ("FLOPs/token", f"{r['flops_per_token']:.4g}"),
       ("achieved", f"{r['model_tflops_per_s']:.4f} TFLOP/s (model FLOPs)"),

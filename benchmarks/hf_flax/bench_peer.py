@@ -32,10 +32,10 @@ Reported per model and size (ratio = tfx / HF; < 1 means tfx is faster or smalle
             the median of the per-step ratios, with a 95% bootstrap interval of it
   temp      XLA's compiled temporary memory (memory_analysis().temp_size_in_bytes)
   compile   lower + compile of a fresh jit (median of `--compiles`, interleaved)
-  faults    minor page faults a step (median; the JSON's page_faults_*): first touches of fresh
-            memory. On a CPU each step's temporaries are mapped anew, so a side pays about one
-            fault per 4 KiB of its temporary memory, a fifth of GPT-2 medium's step on both sides
-            here (2026-12-07; docs/performance/1-peer-cpu.md, stop 70)
+  faults    minor page faults a step (median, `tfx.bench.timed`; the JSON's page_faults_*): first
+            touches of fresh memory. On a CPU each step's temporaries are mapped anew, so a side
+            pays about one fault per 4 KiB of its temporary memory, a fifth of GPT-2 medium's step
+            on both sides here (2026-12-07; docs/performance/1-peer-cpu.md, stop 70)
   GFLOP     XLA's cost analysis of the compiled step. It counts a while loop's body once, so for
             a step with a loop (scanned layers) tfx's is taken from the same step with
             model.scan_layers=False.
@@ -54,7 +54,6 @@ run repeated later can move by 10-20 %.
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -256,18 +255,6 @@ def make_hf_step(model: str, hf_model, objective, tx):
   return jax.jit(step, donate_argnums=(0,))
 
 
-def timed(step, *args) -> tuple[float, int, object]:
-  """(wall seconds, minor page faults, outputs) of one step run to completion. A fault is the
-  first touch of a fresh page: on a CPU, XLA maps each execution's temporary buffer anew (glibc
-  gives an allocation this large its own mmap) and the kernel zero-fills it page by page as the
-  step first writes it."""
-  faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-  start = time.perf_counter()
-  out = jax.block_until_ready(step(*args))
-  seconds = time.perf_counter() - start
-  return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults, out
-
-
 def compile_stats(jitted, *args):
   start = time.perf_counter()
   compiled = jitted.lower(*args).compile()
@@ -333,10 +320,10 @@ def run_one(model: str, size: str, reps: int, log, *, dtype: str = "float32", co
   tfx_times, hf_times, tfx_faults, hf_faults = [], [], [], []
   for _ in range(reps):
     with parallel.context(exp.mesh):
-      seconds, faults, (state, metrics) = timed(tfx_c, state, batch, None)
+      seconds, faults, (state, metrics) = bench.timed(tfx_c, state, batch, None)
     tfx_times.append(seconds)
     tfx_faults.append(faults)
-    seconds, faults, (hf_state, _) = timed(hf_c, hf_state, batch)
+    seconds, faults, (hf_state, _) = bench.timed(hf_c, hf_state, batch)
     hf_times.append(seconds)
     hf_faults.append(faults)
   faults = {"tfx": statistics.median(tfx_faults), "hf": statistics.median(hf_faults)}
