@@ -16,9 +16,9 @@ initial parameters and batch, run interleaved, and the median of the per-step ra
 printed with its interquartile range, with each side's loss after the first step (the same
 function should give the same loss). The models and sizes are the peer benchmark's (bench_peer.py's
 tfx side, its own venv: `make bench-peer` builds it), or a config file at a size's shape (layers,
-width, heads, rows, vocabulary) with the rest of it, dropout and objective, as it is. A compiler option is passed as XLA's compile
-option proto takes it (true/false, an integer, or an enum's name: the flags' '+'/'-' list syntax is
-refused there).
+width, heads, rows, vocabulary) with the rest of it, dropout and objective, as it is. A compiler
+option is passed as XLA's compile option proto takes it (true/false, an integer, or an enum's name;
+a list of enum names with commas: the flags' '+'/'-' syntax is refused there).
 """
 
 from __future__ import annotations
