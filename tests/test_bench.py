@@ -47,6 +47,11 @@ def test_timed_runs_a_step_to_completion_and_counts_its_first_touches(result):
   seconds, faults, out = bench.timed(step, jnp.float32(1))
   assert seconds > 0 and faults > 0 and float(out[-1]) == 2.0
   assert result["page_faults_per_step"] >= 0 and "page faults" in bench.format_table(result)
+  # the hint to start with huge pages: a CPU step that faults in most of its temporaries
+  faulting = dict(result, platform="cpu", temp_memory_bytes=64 << 20, page_faults_per_step=16 << 10)  # 64 MiB of 4 KiB pages
+  assert bench.HUGE_PAGES_HINT in bench.page_faults_row(faulting)
+  assert bench.HUGE_PAGES_HINT not in bench.page_faults_row(dict(faulting, page_faults_per_step=300))
+  assert bench.HUGE_PAGES_HINT not in bench.page_faults_row(dict(faulting, platform="gpu"))
 
 
 def test_result_names_the_attention_kernel_that_ran(result):
