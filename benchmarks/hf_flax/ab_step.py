@@ -30,13 +30,12 @@ import os
 import sys
 import time
 
-import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_peer  # noqa: E402  (the peer benchmark's tfx side: models, sizes, batches)
 
-from tfx import parallel  # noqa: E402
+from tfx import bench, parallel  # noqa: E402
 from tfx.steps import make_train_step  # noqa: E402
 
 
@@ -106,9 +105,8 @@ def run(model: str, size: str, reps: int, swap, overrides: list[str], options: d
     for side in ("A", "B"):
       exp, *_, batch = sides[side]
       with parallel.context(exp.mesh):
-        start = time.perf_counter()
-        states[side], _ = jax.block_until_ready(steps[side](states[side], batch, None))
-        times[side].append(time.perf_counter() - start)
+        seconds, _, (states[side], _) = bench.timed(steps[side], states[side], batch, None)
+        times[side].append(seconds)
   ratio = np.asarray(times["B"]) / np.asarray(times["A"])
   low, high = np.percentile(ratio, [25, 75])
   print(f"{model}/{size}: A {np.median(times['A']) * 1e3:.1f} ms, B {np.median(times['B']) * 1e3:.1f} ms, "
