@@ -44,8 +44,8 @@ def test_timed_runs_a_step_to_completion_and_counts_its_first_touches(result):
   the benchmark reports the median of its timed steps' faults."""
   step = jax.jit(lambda x: jnp.broadcast_to(x, (16 << 20,)) + 1.0)
   step(jnp.float32(0)).block_until_ready()
-  seconds, faults, out = bench.timed(step, jnp.float32(1))
-  assert isinstance(seconds, float) and faults > 0 and float(out[-1]) == 2.0
+  _, faults, out = bench.timed(step, jnp.float32(1))  # (seconds, faults, outputs): the time is not tested
+  assert faults > 0 and float(out[-1]) == 2.0
   assert result["page_faults_per_step"] >= 0 and "page faults" in bench.format_table(result)
   # the hint to start with huge pages: a CPU step that faults in most of its temporaries
   faulting = dict(result, platform="cpu", temp_memory_bytes=64 << 20, page_faults_per_step=16 << 10)  # 64 MiB of 4 KiB pages
