@@ -110,7 +110,9 @@ tpu-compile: install tpu-libs
 
 # Every config's own step (configs/*_base.py: its dropout, attention and remat; bf16, 8 rows a device)
 # compiled here for a v5e 2x2, or for GPUs with ARGS="--topology h100" (make gpu-libs first), each in a
-# process of its own; exits 1 if any fails (benchmarks/compile_configs.py).
+# process of its own; exits 1 if any fails (benchmarks/compile_configs.py). ARGS="--check FILE" compares
+# the bytes each step moves and its memory with a record (tests/golden/compiled_*.json), "--record FILE"
+# takes one.
 compile-configs: install tpu-libs
 	$(PY) benchmarks/compile_configs.py $(ARGS)
 

@@ -1,0 +1,133 @@
+"""`make compile-configs` (benchmarks/compile_configs.py): every config's own step (and the suite's
+GPT-2-small) compiled for an accelerator this CPU does not have, and what each moves and needs
+there checked against a record.
+
+Until a device times a step, the bytes its kernels move (`tfx.bench_traffic`) are what an
+accelerator change is judged by. The records in tests/golden/ hold them for every config's step
+compiled for a TPU v5e 2x2 (checked in CI: `make test` installs libtpu) and for an H100 (checked
+where `make gpu-libs` has put JAX's CUDA plugin beside the venv), so that a change which adds
+traffic or memory to a step, or takes some away, fails here until the record is taken again with
+it.
+"""
+
+import copy
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TPU_LIBS = os.path.join(ROOT, ".tpu-libs")
+GPU_LIBS = os.path.join(ROOT, ".gpu-libs")
+RECORDS = {"v5e:2x2": os.path.join(ROOT, "tests", "golden", "compiled_v5e_2x2.json"),
+           "h100": os.path.join(ROOT, "tests", "golden", "compiled_h100.json")}
+
+
+def _compile_configs():
+  spec = importlib.util.spec_from_file_location("compile_configs", os.path.join(ROOT, "benchmarks", "compile_configs.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_compile_configs_reports_a_crashed_compiler_and_a_failure():
+  module = _compile_configs()
+  done = subprocess.CompletedProcess([], 0, stdout="config [defaults] for tpu: compiled for 4 x TPU v5 lite in 1.0 s\n",
+                                     stderr="")
+  assert module.outcome(done) == (True, "compiled for 4 x TPU v5 lite in 1.0 s")
+  crashed = subprocess.CompletedProcess([], -11, stdout="", stderr="*** SIGSEGV\nPC: @ 0x7f  (unknown)  xla::X()\n@ ...")
+  assert module.outcome(crashed) == (False, "CRASHED (SIGSEGV) PC: @ 0x7f  (unknown)  xla::X()")
+  failed = subprocess.CompletedProcess([], 1, stdout="config [defaults] for gpu: FAILED INTERNAL: no tile\n", stderr="")
+  assert module.outcome(failed) == (False, "FAILED (exit 1) config [defaults] for gpu: FAILED INTERNAL: no tile")
+  assert module.has_teacher(os.path.join(ROOT, "configs", "distilbert_base.py"))
+  assert not module.has_teacher(os.path.join(ROOT, "configs", "bert_base.py"))
+
+
+def _record(**configs) -> dict:
+  return {"topology": "v5e:2x2", "batch_per_device": 8, "overrides": [], "versions": {"jax": "1"},
+          "configs": {name: {"moved": {"matmul": fusion, "fusion": fusion, "total": 2 * fusion}, "device_bytes": memory}
+                      for name, (fusion, memory) in configs.items()}}
+
+
+def test_a_record_names_each_config_whose_bytes_or_memory_moved_past_the_tolerance():
+  module = _compile_configs()
+  record = _record(bert_base=(10**10, 2**32), t5_base=(2 * 10**10, 2**33))
+  assert module.differences(record, copy.deepcopy(record)) == []
+  run = copy.deepcopy(record)
+  run["configs"]["bert_base"]["moved"]["fusion"] += 10**7  # a twentieth of a percent of the step's 20 GB: within
+  run["configs"]["bert_base"]["moved"]["total"] += 10**7
+  assert module.differences(record, run) == []
+  run["configs"]["t5_base"]["moved"]["fusion"] += 10**9  # 2.5% more
+  run["configs"]["t5_base"]["moved"]["total"] += 10**9
+  (line,) = module.differences(record, run)
+  assert line == ("t5_base: moves 41.000 GB a step where the record says 40.000 (+2.5%) "
+                  "(GB by kind: fusion 20.00 -> 21.00)")
+  run["configs"]["bert_base"]["device_bytes"] = 2**32 - 2**28  # a sixteenth less memory: said too
+  run["configs"]["electra_base"] = run["configs"]["bert_base"]
+  run["versions"] = {"jax": "2"}
+  lines = module.differences(record, run)
+  assert lines[0] == ("bert_base: needs 3.750 GiB a device where the record says 4.000 (-6.2%) "
+                      "(GB by kind: fusion 10.00 -> 10.01)")
+  assert lines[1].startswith("t5_base: moves 41.000") and lines[2].startswith("electra_base: not in the record")
+  assert lines[3].startswith("the libraries differ from the record's") and len(lines) == 4
+  failing = dict(record, failed=["nsp_base"])  # a config the record says fails
+  assert module.differences(failing, dict(record, failed=["nsp_base"])) == []
+  both = copy.deepcopy(record)
+  both["configs"]["nsp_base"] = both["configs"]["bert_base"]
+  assert module.differences(failing, both) == ["nsp_base: compiles, where the record says it failed"]
+  assert module.differences(record, dict(failing, configs={"t5_base": record["configs"]["t5_base"]},
+                                         failed=["bert_base", "nsp_base"])) == [
+      "bert_base: failed to compile, where the record has its numbers",
+      "nsp_base: failed to compile, and the record does not have it"]
+  other = dict(run, batch_per_device=16)
+  (line,) = module.differences(record, other)
+  assert line.startswith("the record was taken for topology='v5e:2x2', batch_per_device=8") and "16" in line
+
+
+def test_a_check_against_a_missing_record_says_how_to_take_one(tmp_path, capsys):
+  module = _compile_configs()
+  with pytest.raises(SystemExit):
+    module.main(["--check", str(tmp_path / "none.json"), "--configs", "configs/bert_base.py"])
+  assert "no record to compare with" in capsys.readouterr().err
+
+
+def _check_every_config(topology: str, device: str) -> list[str]:
+  # each configs/*_base.py with its own dropout, attention and remat, bf16, 8 rows a device, each in a
+  # process of its own (`make compile-configs`; about 40 s a config for the TPU here), then what each
+  # moves and needs against the record; returns the configs the record says fail to compile there
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "compile_configs.py"), "--topology", topology,
+                         "--check", RECORDS[topology]], cwd=ROOT, capture_output=True, text=True, timeout=3000)
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  with open(RECORDS[topology]) as f:
+    record = json.load(f)
+  failing = record["failed"]
+  lines = proc.stdout.splitlines()
+  names = sorted(os.path.basename(p)[:-3] for p in os.listdir(os.path.join(ROOT, "configs")) if p.endswith("_base.py"))
+  names.append("gpt2_small")  # the suite's: the decoder family
+  assert [line.split(":")[0] for line in lines[:-2]] == names and "distilbert_base" in names  # its teacher: init
+  assert sorted([*record["configs"], *failing]) == sorted(names)  # every config is in the record
+  for line in lines[:-2]:
+    assert "FAILED" in line if line.split(":")[0] in failing else f"compiled for {device}" in line and "kernels move" in line
+  assert lines[-2].startswith(f"{len(names) - len(failing)} of {len(names)} compiled for {topology}")
+  assert lines[-1].startswith(f"bytes moved and memory as recorded in {RECORDS[topology]}")
+  return failing
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir(os.path.join(TPU_LIBS, "libtpu")),
+                    reason="libtpu is not installed beside the venv (make tpu-libs; make test installs it)")
+def test_every_configs_own_step_compiles_for_a_tpu_and_moves_what_its_record_says():
+  # 8 of the 11 configs had crashed XLA:TPU since stop 64 (attention dropout) and no test saw it
+  assert _check_every_config("v5e:2x2", "4 x TPU v5 lite") == []  # every one compiles for a TPU
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir(os.path.join(GPU_LIBS, "jax_plugins")),
+                    reason="no CUDA plugin beside the venv (make gpu-libs, 1.7 GB; make test does not install it)")
+def test_every_configs_own_step_compiles_for_an_h100_and_moves_what_its_record_says():
+  # NSP's and SOP's last layer fail without a device's autotuning (docs/performance/4-compile-only.md): the record
+  # says which fail, and a check fails when one compiles again
+  _check_every_config("h100", "1 x NVIDIA H100 80GB HBM3")
