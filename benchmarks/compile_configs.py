@@ -191,12 +191,14 @@ def main(argv: list[str] | None = None) -> int:
         ok, line = outcome(proc)
       except subprocess.TimeoutExpired:
         ok, line = False, f"FAILED (no result in {args.timeout} s)"
+      if ok and not os.path.exists(result_path):
+        ok, line = False, f"FAILED (tfx.bench wrote no JSON) {line}"
       print(f"{name}: {line}", flush=True)
       if not ok:
         failed.append(name)
-      elif os.path.exists(result_path):
-        with open(result_path) as f:
-          run["configs"][name] = numbers(json.load(f)[-1])
+        continue
+      with open(result_path) as f:
+        run["configs"][name] = numbers(json.load(f)[-1])
   run["failed"] = failed
   print(f"{len(steps) - len(failed)} of {len(steps)} compiled for {args.topology}"
         + (f"; failed: {', '.join(failed)}" if failed else ""))
