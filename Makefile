@@ -48,10 +48,10 @@ PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 test: install-dev tpu-libs
 	$(PYTEST) -m "not slow" tests --ignore=tests/parity
 
-test-slow: install-dev
+test-slow: install-dev tpu-libs
 	$(PYTEST) -m slow tests --ignore=tests/parity
 
-test-all: install-dev
+test-all: install-dev tpu-libs
 	$(PYTEST) tests --ignore=tests/parity
 
 # Numerical parity with Hugging Face's PyTorch models (installs torch 2.13.0 and transformers).
