@@ -94,34 +94,41 @@ def test_a_check_against_a_missing_record_says_how_to_take_one(tmp_path, capsys)
   assert "no record to compare with" in capsys.readouterr().err
 
 
-def _check_every_config(topology: str, device: str) -> list[str]:
+def _check_every_config(topology: str, device: str, *, all_compile: bool) -> None:
   # each configs/*_base.py with its own dropout, attention and remat, bf16, 8 rows a device, each in a
   # process of its own (`make compile-configs`; about 40 s a config for the TPU here), then what each
-  # moves and needs against the record; returns the configs the record says fail to compile there
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "compile_configs.py"), "--topology", topology,
-                         "--check", RECORDS[topology]], cwd=ROOT, capture_output=True, text=True, timeout=3000)
-  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  # moves and needs against the record, when this machine's compiler is the record's
   with open(RECORDS[topology]) as f:
     record = json.load(f)
-  failing = record["failed"]
+  installed = _compile_configs().versions("gpu" if topology.startswith("h100") else "tpu")
+  same = installed == record["versions"]  # another compiler compiles another program
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "compile_configs.py"), "--topology", topology,
+                         *(["--check", RECORDS[topology]] if same else [])],
+                        cwd=ROOT, capture_output=True, text=True, timeout=3000)
   lines = proc.stdout.splitlines()
+  verdicts = 2 if same else 1  # the count of compiled configs, then the check's verdict
   names = sorted(os.path.basename(p)[:-3] for p in os.listdir(os.path.join(ROOT, "configs")) if p.endswith("_base.py"))
   names.append("gpt2_small")  # the suite's: the decoder family
-  assert [line.split(":")[0] for line in lines[:-2]] == names and "distilbert_base" in names  # its teacher: init
-  assert sorted([*record["configs"], *failing]) == sorted(names)  # every config is in the record
-  for line in lines[:-2]:
-    assert "FAILED" in line if line.split(":")[0] in failing else f"compiled for {device}" in line and "kernels move" in line
-  assert lines[-2].startswith(f"{len(names) - len(failing)} of {len(names)} compiled for {topology}")
+  assert [line.split(":")[0] for line in lines[:-verdicts]] == names and "distilbert_base" in names, proc.stdout
+  failing = [line.split(":")[0] for line in lines[:-verdicts] if "FAILED" in line or "CRASHED" in line]
+  for line in lines[:-verdicts]:
+    assert line.split(":")[0] in failing or f"compiled for {device}" in line and "kernels move" in line
+  assert lines[-verdicts].startswith(f"{len(names) - len(failing)} of {len(names)} compiled for {topology}")
+  if all_compile:
+    assert failing == [], proc.stdout  # 8 of the 11 configs had crashed XLA:TPU from stop 64 to 67, unseen
+  if not same:
+    pytest.skip(f"compiled; not compared: the record was taken with {record['versions']}, this machine has "
+                f"{installed} (make compile-configs ARGS=\"--topology {topology} --record {RECORDS[topology]}\")")
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  assert failing == record["failed"] and sorted([*record["configs"], *failing]) == sorted(names)
   assert lines[-1].startswith(f"bytes moved and memory as recorded in {RECORDS[topology]}")
-  return failing
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir(os.path.join(TPU_LIBS, "libtpu")),
                     reason="libtpu is not installed beside the venv (make tpu-libs; make test installs it)")
 def test_every_configs_own_step_compiles_for_a_tpu_and_moves_what_its_record_says():
-  # 8 of the 11 configs had crashed XLA:TPU since stop 64 (attention dropout) and no test saw it
-  assert _check_every_config("v5e:2x2", "4 x TPU v5 lite") == []  # every one compiles for a TPU
+  _check_every_config("v5e:2x2", "4 x TPU v5 lite", all_compile=True)
 
 
 @pytest.mark.slow
@@ -129,5 +136,5 @@ def test_every_configs_own_step_compiles_for_a_tpu_and_moves_what_its_record_say
                     reason="no CUDA plugin beside the venv (make gpu-libs, 1.7 GB; make test does not install it)")
 def test_every_configs_own_step_compiles_for_an_h100_and_moves_what_its_record_says():
   # NSP's and SOP's last layer fail without a device's autotuning (docs/performance/4-compile-only.md): the record
-  # says which fail, and a check fails when one compiles again
-  _check_every_config("h100", "1 x NVIDIA H100 80GB HBM3")
+  # says which fail, and the check fails when one compiles again
+  _check_every_config("h100", "1 x NVIDIA H100 80GB HBM3", all_compile=False)
