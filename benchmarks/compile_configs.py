@@ -79,9 +79,10 @@ def numbers(result: dict) -> dict:
 
 
 def versions(platform: str) -> dict[str, str]:
-  """The compiler's libraries: jax and jaxlib from this environment, libtpu or the CUDA plugin
-  from the folder beside the venv that the compile puts on the path."""
-  found = {name: importlib.metadata.version(name) for name in ("jax", "jaxlib")}
+  """The libraries that make the program and compile it: jax, jaxlib, flax and optax from this
+  environment, libtpu or the CUDA plugin and cuDNN from the folder beside the venv that the compile
+  puts on the path."""
+  found = {name: importlib.metadata.version(name) for name in ("jax", "jaxlib", "flax", "optax")}
   libs = os.path.join(ROOT, ".tpu-libs" if platform == "tpu" else ".gpu-libs")
   for dist in importlib.metadata.distributions(path=[libs]):
     name = dist.metadata["Name"]

@@ -101,7 +101,7 @@ def _check_every_config(topology: str, device: str, *, all_compile: bool) -> Non
   with open(RECORDS[topology]) as f:
     record = json.load(f)
   installed = _compile_configs().versions("gpu" if topology.startswith("h100") else "tpu")
-  same = installed == record["versions"]  # another compiler compiles another program
+  same = installed == record["versions"]  # another jax, flax, optax or compiler: another program
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "compile_configs.py"), "--topology", topology,
                          *(["--check", RECORDS[topology]] if same else [])],
                         cwd=ROOT, capture_output=True, text=True, timeout=3000)
