@@ -35,11 +35,15 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def libs_dir(platform: str) -> str:
+  """The folder beside the venv with `platform`'s compiler (make tpu-libs / gpu-libs)."""
+  return os.path.join(ROOT, ".tpu-libs" if platform == "tpu" else ".gpu-libs")
+
+
 def environment(platform: str) -> dict[str, str]:
   """The environment of a compile for `platform` on a machine without it (as the Makefile's
   tpu-compile / gpu-compile set it)."""
-  libs = os.path.join(ROOT, ".tpu-libs" if platform == "tpu" else ".gpu-libs")
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([libs, ROOT])}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([libs_dir(platform), ROOT])}
   if platform == "tpu":  # no TPU VM metadata to probe for, and no lock on a TPU that is not there
     env.update(TPU_SKIP_MDS_QUERY="1", TPU_WORKER_HOSTNAMES="localhost", TPU_ACCELERATOR_TYPE="v5litepod-4",
                ALLOW_MULTIPLE_LIBTPU_LOAD="1")
@@ -83,8 +87,7 @@ def versions(platform: str) -> dict[str, str]:
   environment, libtpu or the CUDA plugin and cuDNN from the folder beside the venv that the compile
   puts on the path."""
   found = {name: importlib.metadata.version(name) for name in ("jax", "jaxlib", "flax", "optax")}
-  libs = os.path.join(ROOT, ".tpu-libs" if platform == "tpu" else ".gpu-libs")
-  for dist in importlib.metadata.distributions(path=[libs]):
+  for dist in importlib.metadata.distributions(path=[libs_dir(platform)]):
     name = dist.metadata["Name"]
     if name.startswith(("libtpu", "jax-cuda", "jax_cuda", "nvidia-cudnn")):
       found[name] = dist.version

@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+from tfx import bench_lower
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TPU_LIBS = os.path.join(ROOT, ".tpu-libs")
 GPU_LIBS = os.path.join(ROOT, ".gpu-libs")
@@ -100,7 +102,7 @@ def _check_every_config(topology: str, device: str, *, all_compile: bool) -> Non
   # moves and needs against the record, when this machine's compiler is the record's
   with open(RECORDS[topology]) as f:
     record = json.load(f)
-  installed = _compile_configs().versions("gpu" if topology.startswith("h100") else "tpu")
+  installed = _compile_configs().versions(bench_lower.topology_platform(topology))
   same = installed == record["versions"]  # another jax, flax, optax or compiler: another program
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "compile_configs.py"), "--topology", topology,
                          *(["--check", RECORDS[topology]] if same else [])],
