@@ -45,13 +45,13 @@ quickstart: install
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 8 ] && n=8; echo $$n)
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-test: install-dev tpu-libs
+test: install-dev tpu-libs gpu-libs
 	$(PYTEST) -m "not slow" tests --ignore=tests/parity
 
-test-slow: install-dev tpu-libs
+test-slow: install-dev tpu-libs gpu-libs
 	$(PYTEST) -m slow tests --ignore=tests/parity
 
-test-all: install-dev tpu-libs
+test-all: install-dev tpu-libs gpu-libs
 	$(PYTEST) tests --ignore=tests/parity
 
 # Numerical parity with Hugging Face's PyTorch models (installs torch 2.13.0 and transformers).
@@ -118,10 +118,15 @@ compile-configs: install tpu-libs
 
 # JAX's CUDA plugin with CUDA's compiler pieces and cuDNN (about 1.7 GB), beside the venv, for the
 # train steps compiled by XLA:GPU for an H100 or H200 on this machine, which has no GPU
-# (tfx/bench_lower.py). Not needed by make test. Extra arguments as for tpu-compile.
+# (tfx/bench_lower.py; make test compiles a tiny GPT-2 with it, make test-slow checks every step's bytes
+# against tests/golden/compiled_h100.json). The
+# plugin's version is the installed jaxlib's, CUDA's pieces and cuDNN are pinned (they make the program
+# the record holds). Extra arguments as for tpu-compile.
 GPU_LIBS ?= .gpu-libs
-$(GPU_LIBS)/.installed: $(VENV)/bin/activate
-	$(PIP) install -q --no-deps --target $(GPU_LIBS) "jax-cuda12-plugin==0.10.2" "jax-cuda12-pjrt==0.10.2" \
+JAXLIB_VERSION := import importlib.metadata as m; print(m.version("jaxlib"))
+$(GPU_LIBS)/.installed: $(VENV)/.installed
+	J="$$($(PY) -c '$(JAXLIB_VERSION)')" && \
+	$(PIP) install -q --no-deps --target $(GPU_LIBS) "jax-cuda12-plugin==$$J" "jax-cuda12-pjrt==$$J" \
 	  "nvidia-cuda-runtime-cu12==12.9.79" "nvidia-cuda-nvcc-cu12==12.9.86" "nvidia-nvjitlink-cu12==12.9.86" \
 	  "nvidia-cuda-nvrtc-cu12==12.9.86" "nvidia-cublas-cu12==12.9.3.13" "nvidia-cuda-cupti-cu12==12.9.79" \
 	  "nvidia-cudnn-cu12==9.28.0.42"

@@ -1,12 +1,14 @@
-"""Every config's own train step (and the accelerator suite's GPT-2-small: no config of its own is a
-decoder) compiled for an accelerator this machine does not have, each in a process of its own: what
-a TPU VM or a GPU host would compile before its first step.
+"""Every config's own train step, and the accelerator suite's four steps (the programs a device
+session times, and GPT-2-small: no config of its own is a decoder), compiled for an accelerator this
+machine does not have, each in a process of its own: what a TPU VM or a GPU host would compile
+before its first step.
 
-    make compile-configs ARGS="[--topology v5e:2x2|h100] [--configs 'configs/*_base.py'] [--suite gpt2_small]
+    make compile-configs ARGS="[--topology v5e:2x2|h100] [--configs 'configs/*_base.py'] [--suite gpt2_small,...]
                                [--batch-per-device 8] [--record FILE | --check FILE] [-- --config.KEY=VALUE ...]"
 
 `python -m tfx.bench --config C --lower PLATFORM --topology T` per config (bf16 compute, the config's
-own attention, dropout and remat settings), with libtpu (`make tpu-libs`) or JAX's CUDA plugin
+own attention, dropout and remat settings; a suite model as `accel.NAME`, at the suite's settings:
+dropout off, layers unrolled), with libtpu (`make tpu-libs`) or JAX's CUDA plugin
 (`make gpu-libs`) on the path. A compiler that crashes (XLA:TPU died with a segmentation fault on
 BERT's own config until stop 67) takes its own process down, not the others'. An objective with a
 frozen teacher (DistilBERT's) is compiled with the student's shapes (`objective.teacher=init`).
@@ -17,8 +19,8 @@ if any failed.
 and needs per device (XLA's memory analysis) to FILE (JSON); `--check FILE` compares this run with
 such a record and exits 1 where a config's bytes or memory moved by more than TOLERANCE of its
 recorded value, naming each change. Until a device times a step, the bytes are what an accelerator
-change can be judged by (docs/performance/4-compile-only.md): the tests check the records in
-tests/golden/ (`tests/test_compile_configs.py`), so a change that adds traffic to any config's step, or
+change can be judged by (docs/performance/8-records.md): the tests check the records in
+tests/golden/ (`tests/test_compile_configs.py`, `tests/test_compile_configs_h100.py`), so a change that adds traffic to any config's step, or
 takes some away, says so, and the record is taken again with the change that meant it.
 """
 
@@ -33,6 +35,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUITE_PREFIX = "accel."  # a suite model's name in the output and the record (configs/bert_base.py is "bert_base")
 
 
 def libs_dir(platform: str) -> str:
@@ -139,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--topology", default="v5e:2x2", help="a TPU slice (v5e:2x2) or GPUs (h100, h100:8)")
   parser.add_argument("--configs", default="configs/*_base.py", help="a glob under the repository")
-  parser.add_argument("--suite", default="gpt2_small",
-                      help="the accelerator suite's models to compile too (tfx/bench_suite.py: its settings, "
-                           "dropout off; comma-separated, '' for none): no config of its own is a decoder")
+  parser.add_argument("--suite", default=None,
+                      help="the accelerator suite's models to compile too, named accel.NAME (tfx/bench_suite.py: "
+                           "its settings, dropout off; comma-separated, '' for none; default: all four)")
   parser.add_argument("--batch-per-device", type=int, default=8)
   parser.add_argument("--timeout", type=int, default=900, help="seconds per config")
   saved = parser.add_mutually_exclusive_group()
@@ -158,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
       parser.error(f"--check {args.check}: no record to compare with ({e}); take one with --record")
   sys.path.insert(0, ROOT)
   from tfx.bench_lower import topology_platform
+  from tfx.bench_suite import SUITE
 
   platform = topology_platform(args.topology)
   devices = 1
@@ -169,10 +173,8 @@ def main(argv: list[str] | None = None) -> int:
   paths = sorted(glob.glob(os.path.join(ROOT, args.configs)))
   if not paths:
     parser.error(f"no config matches {args.configs!r} under {ROOT}")
-  from tfx import bench_suite
-
-  suite = [name for name in args.suite.split(",") if name]
-  known = [entry.name for entry in bench_suite.SUITE]
+  known = [entry.name for entry in SUITE]
+  suite = known if args.suite is None else [name for name in args.suite.split(",") if name]
   if any(name not in known for name in suite):
     parser.error(f"--suite {args.suite}: the suite's models are {', '.join(known)}")
   lowered = [sys.executable, "-m", "tfx.bench", "--lower", platform, "--topology", args.topology]
@@ -180,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             [*lowered, "--config", path, "--config.model.dtype=bfloat16",
              f"--config.train.batch_size={args.batch_per_device * devices}",
              *(["--config.objective.teacher=init"] if has_teacher(path) else [])]) for path in paths]
-  steps += [(name, [*lowered, "--suite", "accel", "--only", name, "--skip-depth", "--batch", str(args.batch_per_device)])
-            for name in suite]
+  steps += [(SUITE_PREFIX + name, [*lowered, "--suite", "accel", "--only", name, "--skip-depth",
+                                    "--batch", str(args.batch_per_device)]) for name in suite]
   failed = []
   run = {"topology": args.topology, "batch_per_device": args.batch_per_device, "overrides": extra, "suite": suite,
          "versions": versions(platform), "configs": {}}

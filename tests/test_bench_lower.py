@@ -452,7 +452,7 @@ def test_attention_dropout_compiles_for_a_tpu_in_a_scanned_rematerialised_stack(
 
 
 @pytest.mark.skipif(not os.path.isdir(os.path.join(GPU_LIBS, "jax_plugins")),
-                    reason="no CUDA plugin beside the venv (make gpu-libs, 1.7 GB; make test does not install it)")
+                    reason="no CUDA plugin beside the venv (make gpu-libs, 1.7 GB; make test installs it)")
 def test_tiny_gpt2_compiles_for_an_h100_on_a_cpu(tmp_path):
   out = tmp_path / "h100.json"
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([GPU_LIBS, ROOT])}

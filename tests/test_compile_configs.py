@@ -1,11 +1,11 @@
-"""`make compile-configs` (benchmarks/compile_configs.py): every config's own step (and the suite's
-GPT-2-small) compiled for an accelerator this CPU does not have, and what each moves and needs
-there checked against a record.
+"""`make compile-configs` (benchmarks/compile_configs.py): every config's own step and the accelerator
+suite's four compiled for an accelerator this CPU does not have, and what each moves and needs there
+checked against a record.
 
 Until a device times a step, the bytes its kernels move (`tfx.bench_traffic`) are what an
 accelerator change is judged by. The records in tests/golden/ hold them for every config's step
-compiled for a TPU v5e 2x2 (checked in CI: `make test` installs libtpu) and for an H100 (checked
-where `make gpu-libs` has put JAX's CUDA plugin beside the venv), so that a change which adds
+compiled for a TPU v5e 2x2 and for an H100 (both checked in CI: `make test` and `make test-slow`
+install libtpu and JAX's CUDA plugin beside the venv, `make tpu-libs gpu-libs`), so that a change which adds
 traffic or memory to a step, or takes some away, fails here until the record is taken again with
 it.
 """
@@ -19,11 +19,10 @@ import sys
 
 import pytest
 
-from tfx import bench_lower
+from tfx import bench_lower, bench_suite
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TPU_LIBS = os.path.join(ROOT, ".tpu-libs")
-GPU_LIBS = os.path.join(ROOT, ".gpu-libs")
 RECORDS = {"v5e:2x2": os.path.join(ROOT, "tests", "golden", "compiled_v5e_2x2.json"),
            "h100": os.path.join(ROOT, "tests", "golden", "compiled_h100.json")}
 
@@ -96,13 +95,16 @@ def test_a_check_against_a_missing_record_says_how_to_take_one(tmp_path, capsys)
   assert "no record to compare with" in capsys.readouterr().err
 
 
-def _check_every_config(topology: str, device: str, *, all_compile: bool) -> None:
+def check_every_config(topology: str, device: str, *, all_compile: bool) -> None:
+  """Compiles every config and suite step for `topology` and checks them against its record (the H100's
+  in tests/test_compile_configs_h100.py: a file of its own, so that the two run on two workers)."""
   # each configs/*_base.py with its own dropout, attention and remat, bf16, 8 rows a device, each in a
   # process of its own (`make compile-configs`; about 40 s a config for the TPU here), then what each
   # moves and needs against the record, when this machine's compiler is the record's
   with open(RECORDS[topology]) as f:
     record = json.load(f)
-  installed = _compile_configs().versions(bench_lower.topology_platform(topology))
+  module = _compile_configs()
+  installed = module.versions(bench_lower.topology_platform(topology))
   same = installed == record["versions"]  # another jax, flax, optax or compiler: another program
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "compile_configs.py"), "--topology", topology,
                          *(["--check", RECORDS[topology]] if same else [])],
@@ -110,7 +112,7 @@ def _check_every_config(topology: str, device: str, *, all_compile: bool) -> Non
   lines = proc.stdout.splitlines()
   verdicts = 2 if same else 1  # the count of compiled configs, then the check's verdict
   names = sorted(os.path.basename(p)[:-3] for p in os.listdir(os.path.join(ROOT, "configs")) if p.endswith("_base.py"))
-  names.append("gpt2_small")  # the suite's: the decoder family
+  names += [module.SUITE_PREFIX + entry.name for entry in bench_suite.SUITE]  # the programs a device times
   assert [line.split(":")[0] for line in lines[:-verdicts]] == names and "distilbert_base" in names, proc.stdout
   failing = [line.split(":")[0] for line in lines[:-verdicts] if "FAILED" in line or "CRASHED" in line]
   for line in lines[:-verdicts]:
@@ -128,15 +130,7 @@ def _check_every_config(topology: str, device: str, *, all_compile: bool) -> Non
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir(os.path.join(TPU_LIBS, "libtpu")),
-                    reason="libtpu is not installed beside the venv (make tpu-libs; make test installs it)")
+                    reason="libtpu is not installed beside the venv (make tpu-libs; make test and test-slow install it)")
 def test_every_configs_own_step_compiles_for_a_tpu_and_moves_what_its_record_says():
-  _check_every_config("v5e:2x2", "4 x TPU v5 lite", all_compile=True)
+  check_every_config("v5e:2x2", "4 x TPU v5 lite", all_compile=True)
 
-
-@pytest.mark.slow
-@pytest.mark.skipif(not os.path.isdir(os.path.join(GPU_LIBS, "jax_plugins")),
-                    reason="no CUDA plugin beside the venv (make gpu-libs, 1.7 GB; make test does not install it)")
-def test_every_configs_own_step_compiles_for_an_h100_and_moves_what_its_record_says():
-  # NSP's and SOP's last layer fail without a device's autotuning (docs/performance/4-compile-only.md): the record
-  # says which fail, and the check fails when one compiles again
-  _check_every_config("h100", "1 x NVIDIA H100 80GB HBM3", all_compile=False)
