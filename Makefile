@@ -116,12 +116,12 @@ tpu-compile: install tpu-libs
 compile-configs: install tpu-libs
 	$(PY) benchmarks/compile_configs.py $(ARGS)
 
-# JAX's CUDA plugin with CUDA's compiler pieces and cuDNN (1.7 GB to download, 2.8 GB on disk), beside the venv, for the
-# train steps compiled by XLA:GPU for an H100 or H200 on this machine, which has no GPU
-# (tfx/bench_lower.py; make test compiles a tiny GPT-2 with it, make test-slow checks every step's bytes
-# against tests/golden/compiled_h100.json). The
-# plugin's version is the installed jaxlib's, CUDA's pieces and cuDNN are pinned (they make the program
-# the record holds). Extra arguments as for tpu-compile.
+# JAX's CUDA plugin with CUDA's compiler pieces and cuDNN (1.7 GB to download, 2.8 GB on disk), beside
+# the venv, for the train steps compiled by XLA:GPU for an H100 or H200 on this machine, which has no
+# GPU (tfx/bench_lower.py; make test compiles a tiny GPT-2 with it, make test-slow checks every step's
+# bytes against tests/golden/compiled_h100.json). The plugin's version is the installed jaxlib's;
+# CUDA's pieces and cuDNN are pinned (they make the program the record holds). Extra arguments as for
+# tpu-compile.
 GPU_LIBS ?= .gpu-libs
 JAXLIB_VERSION := import importlib.metadata as m; print(m.version("jaxlib"))
 $(GPU_LIBS)/.installed: $(VENV)/.installed

@@ -20,8 +20,9 @@ and needs per device (XLA's memory analysis) to FILE (JSON); `--check FILE` comp
 such a record and exits 1 where a config's bytes or memory moved by more than TOLERANCE of its
 recorded value, naming each change. Until a device times a step, the bytes are what an accelerator
 change can be judged by (docs/performance/8-records.md): the tests check the records in
-tests/golden/ (`tests/test_compile_configs.py`, `tests/test_compile_configs_h100.py`), so a change that adds traffic to any config's step, or
-takes some away, says so, and the record is taken again with the change that meant it.
+tests/golden/ (`tests/test_compile_configs.py`, `tests/test_compile_configs_h100.py`), so a change
+that adds traffic to any config's step, or takes some away, says so, and the record is taken again
+with the change that meant it.
 """
 
 import argparse

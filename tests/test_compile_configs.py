@@ -4,10 +4,10 @@ checked against a record.
 
 Until a device times a step, the bytes its kernels move (`tfx.bench_traffic`) are what an
 accelerator change is judged by. The records in tests/golden/ hold them for every config's step
-compiled for a TPU v5e 2x2 and for an H100 (both checked in CI: `make test` and `make test-slow`
-install libtpu and JAX's CUDA plugin beside the venv, `make tpu-libs gpu-libs`), so that a change which adds
-traffic or memory to a step, or takes some away, fails here until the record is taken again with
-it.
+and the suite's four compiled for a TPU v5e 2x2 and for an H100 (both checked in CI: `make test`
+and `make test-slow` install libtpu and JAX's CUDA plugin beside the venv, `make tpu-libs
+gpu-libs`), so that a change which adds traffic or memory to a step, or takes some away, fails here
+until the record is taken again with it.
 """
 
 import copy
@@ -99,7 +99,7 @@ def check_every_config(topology: str, device: str, *, all_compile: bool) -> None
   """Compiles every config and suite step for `topology` and checks them against its record (the H100's
   in tests/test_compile_configs_h100.py: a file of its own, so that the two run on two workers)."""
   # each configs/*_base.py with its own dropout, attention and remat, bf16, 8 rows a device, each in a
-  # process of its own (`make compile-configs`; about 40 s a config for the TPU here), then what each
+  # process of its own (`make compile-configs`; 30-120 s a step for the TPU here), then what each
   # moves and needs against the record, when this machine's compiler is the record's
   with open(RECORDS[topology]) as f:
     record = json.load(f)
@@ -130,7 +130,7 @@ def check_every_config(topology: str, device: str, *, all_compile: bool) -> None
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir(os.path.join(TPU_LIBS, "libtpu")),
-                    reason="libtpu is not installed beside the venv (make tpu-libs; make test and test-slow install it)")
+                    reason="libtpu is not beside the venv (make tpu-libs; make test and test-slow install it)")
 def test_every_configs_own_step_compiles_for_a_tpu_and_moves_what_its_record_says():
   check_every_config("v5e:2x2", "4 x TPU v5 lite", all_compile=True)
 
