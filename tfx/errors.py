@@ -31,11 +31,37 @@ def _os_error(error: BaseException):
   return None
 
 
+# XLA:GPU's Triton GEMM emitter finding no tiling for a matmul fused with its neighbours (a dimension
+# no tile divides: NSP's and SOP's 113 rows a sequence, 112 masked slots and [CLS], in the last
+# layer's output projection; T5-base's float32 decoder at 128 rows). XLA's limitation, not tfx's:
+# with its Triton GEMMs off, cuBLAS runs every matmul and those steps compile
+# (docs/performance/4-compile-only.md).
+_TRITON_TILING = ("Couldn't find output tile sizes", "Failed to compute symbolic tile")
+
+
+def _triton_tiling(error: BaseException) -> str | None:
+  """The first line of XLA's runtime error in `error`'s chain if it is that tiling failure, else None."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and any(t in str(error) for t in _TRITON_TILING):
+      return str(error).strip().splitlines()[0][:160]
+    error = error.__cause__ or error.__context__
+  return None
+
+
 def explain(error: BaseException, workdir: str = "") -> str:
   """One line for an error that reached an entry point: a UserError's own message, an OS error with
-  what to do (disk full, read-only, no permission), or an internal error pointing at --debug."""
+  what to do (disk full, read-only, no permission), XLA:GPU's Triton matmul tiling failure with its
+  flag, or an internal error pointing at --debug."""
   if isinstance(error, UserError):
     return str(error)
+  tiling = _triton_tiling(error)
+  if tiling is not None:
+    return ("XLA:GPU could not tile a matmul of this step for its Triton GEMM emitter (an XLA limitation "
+            f"for a dimension no tile divides: {tiling}). Run the same "
+            "command with XLA_FLAGS=\"$XLA_FLAGS --xla_gpu_enable_triton_gemm=false\" (cuBLAS for every matmul; "
+            "a stopped run resumes from its last checkpoint)")
   found = _os_error(error)
   where = workdir or "the workdir"
   if found is not None:
