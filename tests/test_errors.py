@@ -19,6 +19,8 @@ def test_triton_tiling_failure_names_the_flag():
   line = explain(jax.errors.JaxRuntimeError(TILING))
   assert "XLA_FLAGS=\"$XLA_FLAGS --xla_gpu_enable_triton_gemm=false\"" in line
   assert "bf16[904,768]" in line and "more of XLA's text" not in line and "bug in tfx" not in line
+  long = explain(jax.errors.JaxRuntimeError(TILING.splitlines()[0] + ", lhs_contracting_dims={1}" * 20))
+  assert "fusion(...), lhs_contracting_dims={1}, ...). Run the same command" in long  # XLA's line, cut at a space
   symbolic = jax.errors.JaxRuntimeError("INTERNAL: Failed to analyze the computation (Failed to compute symbolic tile")
   assert "--xla_gpu_enable_triton_gemm=false" in explain(symbolic)
 

@@ -45,7 +45,9 @@ def _triton_tiling(error: BaseException) -> str | None:
   while error is not None and id(error) not in seen:
     seen.add(id(error))
     if type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and any(t in str(error) for t in _TRITON_TILING):
-      return str(error).strip().splitlines()[0][:160]
+      first = str(error).strip().splitlines()[0]
+      cut = first.rfind(" ", 0, 140)
+      return first if len(first) <= 140 else first[:cut if cut > 0 else 140] + " ..."
     error = error.__cause__ or error.__context__
   return None
 
