@@ -17,17 +17,23 @@ _OS_TEXT = {"No space left on device": 28, "Read-only file system": 30, "Permiss
             "Disk quota exceeded": 122}
 
 
-def _os_error(error: BaseException):
-  """(errno, filename, text) of the OSError in `error`'s chain, or found in its message; else None."""
+def _chain(error: BaseException | None):
+  """`error`, then its cause (or the error it was raised while handling), and so on, each once."""
   seen = set()
   while error is not None and id(error) not in seen:
     seen.add(id(error))
-    if isinstance(error, OSError) and error.errno:
-      return error.errno, error.filename, error.strerror or str(error)
-    for text, errno in _OS_TEXT.items():
-      if text in str(error):
-        return errno, None, text
+    yield error
     error = error.__cause__ or error.__context__
+
+
+def _os_error(error: BaseException):
+  """(errno, filename, text) of the OSError in `error`'s chain, or found in its message; else None."""
+  for link in _chain(error):
+    if isinstance(link, OSError) and link.errno:
+      return link.errno, link.filename, link.strerror or str(link)
+    for text, errno in _OS_TEXT.items():
+      if text in str(link):
+        return errno, None, text
   return None
 
 
@@ -41,14 +47,11 @@ _TRITON_TILING = ("Couldn't find output tile sizes", "Failed to compute symbolic
 
 def _triton_tiling(error: BaseException) -> str | None:
   """The first line of XLA's runtime error in `error`'s chain if it is that tiling failure, else None."""
-  seen = set()
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    if type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and any(t in str(error) for t in _TRITON_TILING):
-      first = str(error).strip().splitlines()[0]
+  for link in _chain(error):
+    if type(link).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and any(t in str(link) for t in _TRITON_TILING):
+      first = str(link).strip().splitlines()[0]
       cut = first.rfind(" ", 0, 140)
       return first if len(first) <= 140 else first[:cut if cut > 0 else 140] + " ..."
-    error = error.__cause__ or error.__context__
   return None
 
 
