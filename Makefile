@@ -109,11 +109,11 @@ tpu-compile: install tpu-libs
 	  $(PY) -m tfx.bench --suite accel --lower tpu --topology v5e:2x2 $(ARGS)
 
 # Every config's own step (configs/*_base.py: its dropout, attention and remat; bf16, 8 rows a device)
-# compiled here for a v5e 2x2, or for GPUs with ARGS="--topology h100" (make gpu-libs first), each in a
-# process of its own; exits 1 if any fails (benchmarks/compile_configs.py). ARGS="--check FILE" compares
+# and the accelerator suite's four (accel.NAME) compiled here for a v5e 2x2, or for GPUs with
+# ARGS="--topology h100" (libtpu and the CUDA plugin installed first), each in a process of its own; exits 1 if any fails (benchmarks/compile_configs.py). ARGS="--check FILE" compares
 # the bytes each step moves and its memory with a record (tests/golden/compiled_*.json), "--record FILE"
 # takes one.
-compile-configs: install tpu-libs
+compile-configs: install tpu-libs gpu-libs
 	$(PY) benchmarks/compile_configs.py $(ARGS)
 
 # JAX's CUDA plugin with CUDA's compiler pieces and cuDNN (1.7 GB to download, 2.8 GB on disk), beside

@@ -22,7 +22,6 @@ import pytest
 from tfx import bench_lower, bench_suite
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TPU_LIBS = os.path.join(ROOT, ".tpu-libs")
 RECORDS = {"v5e:2x2": os.path.join(ROOT, "tests", "golden", "compiled_v5e_2x2.json"),
            "h100": os.path.join(ROOT, "tests", "golden", "compiled_h100.json")}
 
@@ -32,6 +31,9 @@ def _compile_configs():
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+LIBS = {platform: _compile_configs().libs_dir(platform) for platform in ("tpu", "gpu")}  # make tpu-libs / gpu-libs
 
 
 def test_compile_configs_reports_a_crashed_compiler_and_a_failure():
@@ -129,7 +131,7 @@ def check_every_config(topology: str, device: str, *, all_compile: bool) -> None
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.isdir(os.path.join(TPU_LIBS, "libtpu")),
+@pytest.mark.skipif(not os.path.isdir(os.path.join(LIBS["tpu"], "libtpu")),
                     reason="libtpu is not beside the venv (make tpu-libs; make test and test-slow install it)")
 def test_every_configs_own_step_compiles_for_a_tpu_and_moves_what_its_record_says():
   check_every_config("v5e:2x2", "4 x TPU v5 lite", all_compile=True)

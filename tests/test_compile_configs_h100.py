@@ -8,13 +8,11 @@ import os
 
 import pytest
 
-from tests.test_compile_configs import ROOT, check_every_config
-
-GPU_LIBS = os.path.join(ROOT, ".gpu-libs")
+from tests.test_compile_configs import LIBS, check_every_config
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.isdir(os.path.join(GPU_LIBS, "jax_plugins")),
+@pytest.mark.skipif(not os.path.isdir(os.path.join(LIBS["gpu"], "jax_plugins")),
                     reason="no CUDA plugin beside the venv (make gpu-libs, 1.7 GB; make test and test-slow install it)")
 def test_every_configs_own_step_compiles_for_an_h100_and_moves_what_its_record_says():
   # NSP's and SOP's last layer fail without a device's autotuning (docs/performance/4-compile-only.md): the record
